@@ -1,0 +1,47 @@
+# Sourced by run_train.sh and tests/run_tests.sh: choose the Python to run with, installing what
+# is missing. Sets PY.
+#
+#  - The active Python (or $PYTHON) when it can already import torch_xla (a TPU VM has it): this
+#    package and its other dependencies are added to it, torch and torch_xla are left untouched.
+#  - Otherwise ./.venv, created and installed on first use (and again when pyproject.toml changes).
+#
+# Usage: setup_python [dev]
+
+_TTX_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+setup_python() {
+  local extras="${1:-}"
+  local base="${PYTHON:-python3}"
+  local spec="$_TTX_REPO"
+  if [[ -n "$extras" ]]; then spec="$_TTX_REPO[$extras]"; fi
+  local stamp_id
+  stamp_id="$(cksum < "$_TTX_REPO/pyproject.toml" | cut -d' ' -f1)-${extras:-base}"
+
+  if "$base" -c "import torch_xla" >/dev/null 2>&1; then
+    PY="$(command -v "$base")"
+    if ! "$PY" -c "import torchtitan_xla, tiktoken, sentencepiece, tomli_w, datasets, torchdata" >/dev/null 2>&1 \
+        || { [[ -n "$extras" ]] && ! "$PY" -c "import pytest, transformers" >/dev/null 2>&1; }; then
+      echo "[setup] adding torchtitan_xla to $PY (torch and torch_xla left as they are)" >&2
+      "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
+      "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude torch torch_xla)
+    fi
+    return 0
+  fi
+
+  PY="$_TTX_REPO/.venv/bin/python"
+  if [[ ! -x "$PY" ]]; then
+    echo "[setup] creating $_TTX_REPO/.venv" >&2
+    "$base" -m venv "$_TTX_REPO/.venv"
+  fi
+  if [[ ! -f "$_TTX_REPO/.venv/.installed-$stamp_id" ]]; then
+    echo "[setup] installing torchtitan_xla${extras:+[$extras]} into .venv (first run: several minutes," \
+         "torch pulls ~3 GB of wheels)" >&2
+    "$PY" -m pip install --quiet --upgrade pip
+    "$PY" -m pip install --quiet -e "$spec"
+    rm -f "$_TTX_REPO"/.venv/.installed-*
+    touch "$_TTX_REPO/.venv/.installed-$stamp_id"
+    # a dev install also satisfies the base install
+    if [[ -n "$extras" ]]; then touch "$_TTX_REPO/.venv/.installed-${stamp_id%-*}-base"; fi
+  fi
+  return 0
+}

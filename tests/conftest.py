@@ -1,0 +1,31 @@
+"""Test environment: the XLA CPU backend with one device in this process (tests that need more
+devices start a subprocess), and caches in a per-session temporary folder."""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_CACHE = tempfile.mkdtemp(prefix="ttx-test-cache-")
+
+os.environ["PJRT_DEVICE"] = "CPU"
+os.environ["CPU_NUM_DEVICES"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TORCHTITAN_XLA_CACHE"] = _CACHE
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "hf_datasets")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.fixture(scope="session")
+def xla_device():
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()  # every in-process XLA test runs the way train.py does
+    return torch_xla.device()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suite; first use creates ./.venv with the dev extras (see scripts/setup_env.sh).
+#   ./tests/run_tests.sh [pytest options]
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/setup_env.sh
+source "$REPO/scripts/setup_env.sh"
+setup_python dev
+cd "$REPO"
+exec "$PY" -m pytest tests "$@"

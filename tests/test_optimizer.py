@@ -1,0 +1,73 @@
+"""The learning-rate schedule and the optimizer state."""
+
+import math
+
+import pytest
+
+from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.optimizer import lr_factor
+
+
+def factors(steps, warmup, decay_type="linear", min_lr=0.0, decay_ratio=None):
+    import torch
+
+    from torchtitan_xla.optimizer import build_lr_scheduler
+
+    cfg = parse_args(["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),
+                      "--lr_scheduler.decay_type", decay_type, "--lr_scheduler.min_lr_factor", str(min_lr),
+                      *(["--lr_scheduler.decay_ratio", str(decay_ratio)] if decay_ratio is not None else [])])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_lr_scheduler(opt, cfg)
+    out = []
+    for _ in range(steps):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_linear_warmup_then_linear_decay():
+    f = factors(10, 4)
+    assert f[:4] == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5])
+    assert f[4:] == pytest.approx([6 / 7, 5 / 7, 4 / 7, 3 / 7, 2 / 7, 1 / 7])
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+def test_lr_is_never_exactly_zero_and_decays_monotonically(decay_type):
+    # torch_xla bakes 0.0 into the graph as a constant: an lr of 0 would recompile the step.
+    f = factors(50, 5, decay_type)
+    assert min(f) > 0
+    assert all(a >= b for a, b in zip(f[5:], f[6:]))
+
+
+def test_min_lr_factor_and_warmup_stable_decay():
+    f = factors(20, 2, "cosine", min_lr=0.1, decay_ratio=0.5)
+    assert f[2:10] == [1.0] * 8  # stable phase
+    assert all(0.1 < x < 1.0 for x in f[10:])
+    assert f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 10 / 11)))
+
+
+def test_lr_factor_formula_points():
+    kw = dict(warmup_steps=0, decay_start=0, decay_steps=3, min_lr_factor=0.0)
+    assert lr_factor(0, decay_type="sqrt", **kw) == pytest.approx(1 - math.sqrt(1 / 4))
+    assert lr_factor(2, decay_type="linear", **kw) == pytest.approx(1 / 4)
+
+
+def test_optimizer_state_exists_before_the_first_step(xla_device):
+    """State created up front (same shapes and dtypes as torch would create) so step 0 and every
+    later step trace the same graph."""
+    import torch
+
+    from torchtitan_xla.optimizer import build_optimizer
+
+    model = torch.nn.Linear(4, 3).to(xla_device)
+    opt = build_optimizer(model, parse_args([]))
+    state = opt.state[model.weight]
+    assert state["step"].device.type == "cpu" and state["step"].item() == 0.0
+    assert state["exp_avg"].shape == (3, 4) and state["exp_avg"].device.type == "xla"
+    assert torch.count_nonzero(state["exp_avg_sq"].cpu()) == 0
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    assert state["step"].item() == 1.0  # torch used our state rather than making its own
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}

@@ -1,0 +1,112 @@
+"""Tokenizers: Llama 3 (tiktoken format) and Llama 2 (sentencepiece) conventions, the project's own
+deterministic debug tokenizer, and their errors. Every tokenizer file here is built by the test."""
+
+import base64
+
+import pytest
+
+from torchtitan_xla.config_manager import ConfigError
+from torchtitan_xla.datasets import python_docs
+from torchtitan_xla.datasets.tokenizer import build_tokenizer
+from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer, llama3_special_tokens
+from torchtitan_xla.datasets.tokenizer.train_bpe import default_tokenizer_path, train_bpe, write_ranks
+
+SAMPLE = "The \"assert\" statement — déjà vu 🙂 in 世界\n\n\tindented   text <|end_of_text|> 12345"
+
+
+@pytest.fixture(scope="module")
+def tiktok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "small.tiktoken"
+    write_ranks(train_bpe(python_docs.documents()[:20], 600), path)
+    return build_tokenizer(str(path))
+
+
+def test_llama3_special_token_layout():
+    specials = llama3_special_tokens()
+    assert len(specials) == 256 and len(set(specials)) == 256
+    assert specials[:2] == ["<|begin_of_text|>", "<|end_of_text|>"]
+    assert specials[6:10] == ["<|start_header_id|>", "<|end_header_id|>",
+                              "<|reserved_special_token_4|>", "<|eot_id|>"]
+    assert specials[-1] == "<|reserved_special_token_250|>"
+
+
+def test_tiktoken_bos_eos_and_round_trip(tiktok):
+    assert isinstance(tiktok, TikTokenizer)
+    assert (tiktok.n_words, tiktok.bos_id, tiktok.eos_id) == (856, 600, 601)
+    ids = tiktok.encode(SAMPLE, bos=True, eos=True)
+    assert ids[0] == 600 and ids[-1] == 601
+    assert tiktok.decode(ids[1:-1]) == SAMPLE
+    plain = tiktok.encode(SAMPLE, bos=False, eos=False)
+    assert plain == ids[1:-1]
+    # Special-token text inside a document stays text.
+    assert 601 not in plain and max(plain) < 600
+
+
+def test_tiktoken_long_runs_are_split_without_changing_text(tiktok):
+    text = "x" * 60_000 + " " * 30_000 + "end"
+    ids = tiktok.encode(text, bos=False, eos=False)
+    assert tiktok.decode(ids) == text
+
+
+def test_tiktoken_matches_huggingface_tokenizers_on_the_corpus():
+    """Our rank file read by tiktoken encodes exactly as the HF BPE it was trained as."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from torchtitan_xla.datasets.tokenizer.tiktoken import LLAMA3_PATTERN
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.train_from_iterator(list(python_docs.documents()), trainers.BpeTrainer(
+        vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    ours = build_tokenizer("")
+    for doc in python_docs.documents()[::7] + (SAMPLE,):
+        assert ours.encode(doc, bos=False, eos=False) == hf.encode(doc).ids
+
+
+def test_default_tokenizer_is_deterministic_and_cached():
+    path = default_tokenizer_path()
+    first = path.read_bytes()
+    mtime = path.stat().st_mtime_ns
+    assert default_tokenizer_path().stat().st_mtime_ns == mtime  # cached: not retrained
+    path.unlink()
+    assert default_tokenizer_path().read_bytes() == first  # retrained: identical bytes
+    tok = build_tokenizer("")
+    assert tok.n_words == 2256  # 2000 BPE tokens + Llama 3's 256 special tokens
+
+
+def test_sentencepiece_llama2_conventions(tmp_path):
+    import sentencepiece as spm
+
+    prefix = tmp_path / "sp"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(python_docs.documents()[:30]), model_prefix=str(prefix),
+        vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        num_threads=1, minloglevel=2,
+        # Llama 2's settings: no normalisation, whitespace kept as is.
+        normalization_rule_name="identity", remove_extra_whitespaces=False)
+    tok = build_tokenizer(str(prefix) + ".model")
+    ref = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
+    assert (tok.n_words, tok.bos_id, tok.eos_id) == (400, 1, 2)
+    ids = tok.encode(SAMPLE, bos=True, eos=True)
+    assert ids == [1] + ref.encode(SAMPLE) + [2]
+    assert tok.encode(SAMPLE, bos=False, eos=False) == ref.encode(SAMPLE)
+    assert tok.decode(ids) == SAMPLE  # byte fallback: even emoji round-trip
+
+
+def test_bad_tokenizer_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\] tokenizer_path: file not found: .*nope"):
+        build_tokenizer(str(tmp_path / "nope"))
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"\x00\x01 not a model")
+    with pytest.raises(ConfigError, match="neither a tiktoken BPE file nor a sentencepiece model"):
+        build_tokenizer(str(junk))
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text(f"{base64.b64encode(b'a').decode()} 0\n!!notbase64 1\n")
+    with pytest.raises(ConfigError, match="line 2 is not '<base64 token> <rank>'"):
+        build_tokenizer(str(bad))
+    gap = tmp_path / "gap.tiktoken"
+    gap.write_text(f"{base64.b64encode(b'a').decode()} 0\n{base64.b64encode(b'b').decode()} 5\n")
+    with pytest.raises(ConfigError, match="ranks must be 0..1 without gaps"):
+        build_tokenizer(str(gap))

@@ -1,0 +1,19 @@
+"""The tokenizer interface the data pipeline and the model rely on."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Tokenizer(ABC):
+    n_words: int  # vocabulary size including special tokens; the model's vocab_size
+    bos_id: int
+    eos_id: int
+
+    @abstractmethod
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        """Token ids of `text`, optionally framed by BOS / EOS. Text that looks like a special
+        token is encoded as ordinary text: documents cannot inject control tokens."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str: ...

@@ -1,0 +1,237 @@
+"""Llama 2 and Llama 3 / 3.1 in one file: plain PyTorch, no parallelism code.
+
+Parameter names follow Meta's checkpoints (and torchtitan): `tok_embeddings`, `layers.N.attention.
+wq|wk|wv|wo`, `layers.N.feed_forward.w1|w2|w3`, `layers.N.attention_norm|ffn_norm`, `norm`, `output`.
+Parallelism, activation checkpointing and scan are applied from outside by module name
+(torchtitan_xla/parallelisms); attention is its own module (`attention.sdpa`) so a kernel can be
+swapped in the same way.
+
+RoPE rotates interleaved pairs (Meta's layout, so Meta/torchtitan weights load unchanged); the
+HuggingFace exporter permutes wq/wk to HF's rotate-half layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (long-context extension)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no grouped-query attention)
+    vocab_size: int = -1  # set from the tokenizer
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    # Scale the init of each block's output projections by its depth (torchtitan's default).
+    depth_init: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Llama's SwiGLU sizing: 2/3 of 4*dim, times an optional multiplier, rounded up.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16 -> f32; f32 and f64 unchanged)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, shape [max_seq_len, head_dim // 2], in float64.
+
+    Computed in float64 on the host (the tables are small) and stored in the buffers' dtype, which
+    keeps positions near max_seq_len accurate."""
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        wavelen = 2 * math.pi / freqs
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+        freqs = torch.where(wavelen > low_wavelen, freqs / s.factor,
+                            torch.where(wavelen < high_wavelen, freqs, blended))
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim]."""
+    x0, x1 = _upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    # Back to the compute dtype: under bf16 autocast q, k and v must share a dtype for SDPA.
+    return out.type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """[b, s, kv_heads, d] -> [b, s, kv_heads * rep, d]; query head j uses kv head j // rep."""
+    if rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, h, rep, d).reshape(b, s, h * rep, d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = _upcast(x)  # normalise in float32 even under bf16 autocast
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """Causal attention over [batch, heads, seq, head_dim]; a module so a kernel can replace it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(w.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed "0".."n-1" keeps parameter names stable whatever wraps the layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from args, so not saved in checkpoints; (re)computed by init_weights().
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos.float(), persistent=False)
+        self.register_buffer("rope_sin", sin.float(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
+        seqlen = tokens.shape[1]
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place (after `to_empty` on the target device)."""
+        cos, sin = rope_tables(self.args)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        std = self.args.dim ** -0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
