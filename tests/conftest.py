@@ -19,7 +19,8 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
-sys.path.insert(0, str(REPO / "tests"))
+# This checkout's package and test helpers first, whatever else is installed.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
 @pytest.fixture(scope="session")
