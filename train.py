@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,8 +125,10 @@ def main(job_config: JobConfig) -> list[StepStats]:
     metric_logger.reset_timer(0)
     for step in range(1, training.steps + 1):
         gc_handler.run(step)
+        data_start = time.perf_counter()
         inputs, labels = next(data_iterator)
         inputs, labels = xm.send_cpu_data_to_device([inputs, labels], device, batch_sharding)
+        metric_logger.add_data_wait(time.perf_counter() - data_start)
         loss, grad_norm = compiled_step(inputs, labels)
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()

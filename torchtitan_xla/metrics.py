@@ -33,6 +33,7 @@ class StepStats:
     lr: float
     tokens_per_second: float
     step_time: float
+    data_wait: float  # seconds per step spent waiting for the next batch
 
 
 class MetricLogger:
@@ -45,14 +46,20 @@ class MetricLogger:
         self.colors = _Colors(color)
         self._last_step = 0
         self._last_time = time.perf_counter()
+        self._data_wait = 0.0
 
     def reset_timer(self, step: int) -> None:
-        self._last_step, self._last_time = step, time.perf_counter()
+        self._last_step, self._last_time, self._data_wait = step, time.perf_counter(), 0.0
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Time the loop spent waiting for a batch since the last log."""
+        self._data_wait += seconds
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float) -> StepStats:
         now = time.perf_counter()
         steps = step - self._last_step
         dt = (now - self._last_time) / max(steps, 1)
+        data_wait = self._data_wait / max(steps, 1)
         self.reset_timer(step)
         tps = self.tokens_per_step / dt / self.num_devices  # per device, as torchtitan reports
         mfu = (f"{100 * self.flops_per_token * tps / self.peak_flops:.2f}%"
@@ -63,5 +70,6 @@ class MetricLogger:
         logger.info(
             f"{c.cyan}step: {step:>5}  {c.green}loss: {loss:8.4f}  {c.reset}grad_norm: {grad_norm:7.4f}  "
             f"lr: {lr:.2e}  {c.blue}tps: {tps:,.0f}  mfu: {mfu}  {c.yellow}memory: {mem:.2f}GiB(host)  "
-            f"{c.reset}step_time: {dt:.3f}s  compiles: {compiles} ({compile_s:.1f}s){c.reset}")
-        return StepStats(step, loss, grad_norm, lr, tps, dt)
+            f"{c.reset}step_time: {dt:.3f}s  data_wait: {100 * data_wait / dt:.1f}%  "
+            f"compiles: {compiles} ({compile_s:.1f}s){c.reset}")
+        return StepStats(step, loss, grad_norm, lr, tps, dt, data_wait)
