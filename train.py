@@ -23,8 +23,11 @@ if TYPE_CHECKING:
     from torchtitan_xla.metrics import StepStats
 
 
-def main(job_config: JobConfig) -> list[StepStats]:
-    """Run the job; returns what was logged at each logging step."""
+def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[StepStats]:
+    """Run the job; returns what was logged at each logging step.
+
+    `model_overrides` replace fields of the flavor's ModelArgs (benchmarks and tests use it to vary
+    depth or size without adding flavors)."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -49,16 +52,19 @@ def main(job_config: JobConfig) -> list[StepStats]:
     xr.use_spmd()
     device = torch_xla.device()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, xr.global_runtime_device_count())
-    mesh = parallel_dims.build_mesh()
     host_rank, host_count = xr.process_index(), xr.process_count()
+    training = job_config.training
+    global_batch = (training.global_batch_size if training.global_batch_size > 0
+                    else training.local_batch_size * parallel_dims.dp_degree)
+    accumulation_steps = parallel_dims.check_batch(
+        global_batch, training.local_batch_size, training.seq_len, host_count)
+    mesh = parallel_dims.build_mesh(xr.device_type())
     logger.info(f"{xr.global_runtime_device_count()} {xr.device_type()} devices, "
                 f"{host_count} host(s); mesh {dict(zip(mesh.axis_names, mesh.mesh_shape))}")
     seed = set_determinism(job_config.debug.seed, job_config.debug.deterministic)
 
     # Tokenizer and data: each host loads its share of the global batch.
-    training = job_config.training
     tokenizer = build_tokenizer(job_config.model.tokenizer_path)
-    global_batch = training.local_batch_size * parallel_dims.dp_degree
     data_loader = build_data_loader(
         job_config, tokenizer, batch_size=global_batch // host_count,
         host_rank=host_rank, host_count=host_count)
@@ -67,7 +73,10 @@ def main(job_config: JobConfig) -> list[StepStats]:
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
-                                vocab_size=tokenizer.n_words, max_seq_len=training.seq_len)
+                                vocab_size=tokenizer.n_words, max_seq_len=training.seq_len,
+                                **(model_overrides or {}))
+    parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
+                              model_args.ffn_hidden_dim)
     with torch.device("meta"):
         model = model_name_to_cls[job_config.model.name](model_args)
     num_params = model.num_params()
@@ -97,19 +106,30 @@ def main(job_config: JobConfig) -> list[StepStats]:
         num_devices=parallel_dims.world_size, color=job_config.metrics.enable_color_printing)
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
 
+    def microbatches(t: torch.Tensor) -> list[torch.Tensor]:
+        """Split the step's batch for gradient accumulation so that every microbatch still spans
+        all data-parallel ranks: [dp x accumulation x local, seq] -> accumulation x [dp x local, seq]."""
+        if accumulation_steps == 1:
+            return [t]
+        t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
+        return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
+
     def train_step(inputs: torch.Tensor, labels: torch.Tensor):
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-        loss.backward()
+        loss = 0.0
+        for mb_inputs, mb_labels in zip(microbatches(inputs), microbatches(labels)):
+            with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
+                logits = model(mb_inputs)
+            mb_loss = F.cross_entropy(logits.flatten(0, 1).float(), mb_labels.flatten(0, 1))
+            (mb_loss / accumulation_steps).backward()
+            loss = loss + mb_loss.detach() / accumulation_steps
         if training.max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
         else:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
         optimizer.step()
-        return loss.detach(), grad_norm.detach()
+        return loss, grad_norm.detach()
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break.
@@ -121,7 +141,7 @@ def main(job_config: JobConfig) -> list[StepStats]:
     compiles_after_warmup = None
     history: list[StepStats] = []
     logger.info(f"Training {training.steps} steps, global batch {global_batch} x {training.seq_len} "
-                f"tokens, seed {seed}")
+                f"tokens ({accumulation_steps} accumulation step(s)), seed {seed}")
     metric_logger.reset_timer(0)
     for step in range(1, training.steps + 1):
         gc_handler.run(step)

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,9 +47,11 @@ def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = 
 @dataclass
 class Job:
     config_file: str = opt("", "TOML file to read; command-line flags override its values.")
-    dump_folder: str = opt("./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints).")
+    dump_folder: str = opt(
+        "./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints).")
     description: str = opt("default job", "Free text describing the job; printed at start.")
-    print_config: bool = opt(True, "Print the effective config at start (it is always saved to <dump_folder>/config.toml).")
+    print_config: bool = opt(
+        True, "Print the effective config at start (it is always saved to <dump_folder>/config.toml).")
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "Steps of linear warmup from lr/(warmup_steps+1) to lr.", ge=0)
-    decay_ratio: Optional[float] = opt(
+    decay_ratio: float | None = opt(
         None,
         "Fraction of the steps spent decaying at the end (warmup-stable-decay). "
         "Unset: decay over all steps after warmup.", ge=0, le=1)
@@ -88,7 +90,11 @@ class LRScheduler:
 class Training:
     dataset: str = opt("python_docs", "Dataset name (python_docs is embedded and works offline).")
     dataset_path: str = opt("", "Local path of the dataset; empty: the registry default.")
-    local_batch_size: int = opt(8, "Sequences per data-parallel rank per step.", gt=0)
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per forward/backward pass.", gt=0)
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all data-parallel ranks; a multiple of "
+        "local_batch_size x data-parallel degree, the ratio being gradient-accumulation steps. "
+        "-1: local_batch_size x data-parallel degree (no accumulation).")
     seq_len: int = opt(2048, "Tokens per sequence.", gt=0)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).", ge=0)
     steps: int = opt(10000, "Training steps.", gt=0)
@@ -104,7 +110,30 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(
         -1, "FSDP dimension: parameters, gradients and optimizer state are sharded over it. "
         "-1: all devices not used by the other degrees.")
-    tensor_parallel_degree: int = opt(1, "Tensor (Megatron) parallel degree.", gt=0)
+    tensor_parallel_degree: int = opt(
+        1, "Tensor (Megatron) parallel degree, with sequence parallelism between blocks.", gt=0)
+    num_slices: int = opt(
+        1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
+        "data_parallel_replicate_degree must be a multiple of it.", gt=0)
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = opt(
+        "selective", "Recompute activations in the backward pass instead of keeping them: none, "
+        "full (every block), or selective (see selective_ac_option).")
+    selective_ac_option: str = opt(
+        "2", "For mode selective: an integer N checkpoints every N-th block; 'op' keeps the "
+        "outputs of the weight matmuls and recomputes everything else (norms, RoPE, attention "
+        "scores, activations).")
+
+
+@dataclass
+class Compile:
+    scan_layers: bool = opt(
+        False, "Run the blocks as one XLA while loop over stacked weights (torch_xla scan_layers): "
+        "compile time stops growing with depth. With scan, activation_checkpoint mode must be "
+        "'none' or selective 'op' (done by the min-cut partitioner).")
 
 
 @dataclass
@@ -118,7 +147,7 @@ class Metrics:
 
 @dataclass
 class Debug:
-    seed: Optional[int] = opt(None, "Seed for parameter init and data order; unset: a fixed default.")
+    seed: int | None = opt(None, "Seed for parameter init and data order; unset: a fixed default.")
     deterministic: bool = opt(False, "Use deterministic algorithms only (same config, same losses).")
     on_recompile: Literal["error", "warn"] = opt(
         "error", "What a graph compile after warm-up (step 2) does: stop the run, or log a warning.")
@@ -132,6 +161,8 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     debug: Debug = field(default_factory=Debug)
 
@@ -341,7 +372,8 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     while i < len(argv):
         tok = argv[i]
         if not tok.startswith("--"):
-            raise ConfigError(f"command line: unexpected argument {tok!r} (options look like --section.key value)")
+            raise ConfigError(
+                f"command line: unexpected argument {tok!r} (options look like --section.key value)")
         name, eq, inline = tok[2:].partition("=")
         section, dot, key = name.partition(".")
         key = key.replace("-", "_")
@@ -388,6 +420,23 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
             problem = _check_bounds(getattr(section, key), f)
             if problem:
                 raise ConfigError(f"{sources.describe(sname, key)} = {getattr(section, key)!r}: {problem}")
+    ac = cfg.activation_checkpoint
+    if ac.selective_ac_option != "op" and not (ac.selective_ac_option.isdigit()
+                                               and int(ac.selective_ac_option) > 0):
+        raise ConfigError(
+            f"{sources.describe('activation_checkpoint', 'selective_ac_option')} = "
+            f"{ac.selective_ac_option!r}: expected 'op' or a positive integer N (every N-th block)")
+    if cfg.compile.scan_layers and not (
+            ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option == "op")):
+        raise ConfigError(
+            f"{sources.describe('compile', 'scan_layers')} = true cannot be combined with "
+            f"[activation_checkpoint] mode = {ac.mode!r}"
+            + (f", selective_ac_option = {ac.selective_ac_option!r}" if ac.mode == "selective" else "")
+            + ": under scan use mode 'none' or selective 'op'")
+    if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
+        raise ConfigError(
+            f"{sources.describe('training', 'global_batch_size')} = "
+            f"{cfg.training.global_batch_size}: must be -1 (no accumulation) or > 0")
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError(
