@@ -35,6 +35,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
+    from torchtitan_xla.checkpoint import CheckpointManager, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import MetricLogger, num_flops_per_token
@@ -96,10 +97,24 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     lr_scheduler = build_lr_scheduler(optimizer, job_config)
     torch_xla.sync()
 
+    # Checkpoints: resume from the newest usable one; otherwise start from initial weights if given.
+    train_state = TrainState()
+    checkpoint = CheckpointManager(
+        job_config, model=model, model_args=model_args, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, data_loader=data_loader, train_state=train_state,
+        host_rank=host_rank, host_count=host_count)
+    if job_config.checkpoint.create_seed_checkpoint:
+        checkpoint.save(0, model_only=True)
+        logger.info("Seed checkpoint written; exiting")
+        return []
+    if not checkpoint.load() and job_config.checkpoint.initial_load_path:
+        checkpoint.load_initial_weights(mesh)
+
     # Inputs are all checked by now: only from here on does the run write anything.
     dump_folder = Path(job_config.job.dump_folder)
     dump_folder.mkdir(parents=True, exist_ok=True)
     (dump_folder / "config.toml").write_text(job_config.to_toml())
+    checkpoint.install_preemption_handler()
 
     metric_logger = MetricLogger(
         flops_per_token=flops_per_token, tokens_per_step=global_batch * training.seq_len,
@@ -137,13 +152,14 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     gc_handler = GarbageCollection(training.gc_freq)
     data_iterator = iter(data_loader)
-    warmup_steps = 2  # step 1 compiles; any compile after step 2 is a bug
+    first_step = train_state.step + 1
+    warmup_end = first_step + 1  # the first step compiles; any compile after the second is a bug
     compiles_after_warmup = None
     history: list[StepStats] = []
-    logger.info(f"Training {training.steps} steps, global batch {global_batch} x {training.seq_len} "
-                f"tokens ({accumulation_steps} accumulation step(s)), seed {seed}")
-    metric_logger.reset_timer(0)
-    for step in range(1, training.steps + 1):
+    logger.info(f"Training steps {first_step}..{training.steps}, global batch {global_batch} x "
+                f"{training.seq_len} tokens ({accumulation_steps} accumulation step(s)), seed {seed}")
+    metric_logger.reset_timer(train_state.step)
+    for step in range(first_step, training.steps + 1):
         gc_handler.run(step)
         data_start = time.perf_counter()
         inputs, labels = next(data_iterator)
@@ -154,21 +170,34 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         lr_scheduler.step()
 
         compiles, _ = compile_stats()
-        if step == warmup_steps:
+        if step == warmup_end:
             compiles_after_warmup = compiles
         elif compiles_after_warmup is not None and compiles > compiles_after_warmup:
             message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} compiles, "
-                       f"{compiles_after_warmup} at step {warmup_steps}); run with "
+                       f"{compiles_after_warmup} at step {warmup_end}); run with "
                        f"PT_XLA_DEBUG_LEVEL=1 to see why")
             if job_config.debug.on_recompile == "error":
                 raise RuntimeError(message)
             logger.warning(message)
             compiles_after_warmup = compiles
 
-        if step == 1 or step % job_config.metrics.log_freq == 0 or step == training.steps:
+        if step == first_step or step % job_config.metrics.log_freq == 0 or step == training.steps:
             # The one host transfer per log step; it waits for this step to finish.
             history.append(metric_logger.log(step, loss.item(), grad_norm.item(), lr))
 
+        train_state.step = step
+        if checkpoint.should_save(step, training.steps):
+            last = step == training.steps
+            checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
+            if compiles_after_warmup is not None:  # saving compiles small transfer graphs
+                compiles_after_warmup = compile_stats()[0]
+        if checkpoint.preempted:
+            logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
+            break
+
+    checkpoint.close()
+    if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:
+        checkpoint.export_hf(train_state.step, tokenizer)
     logger.info(f"Training completed: {compile_stats()[0]} XLA compiles in total")
     return history
 

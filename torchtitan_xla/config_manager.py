@@ -118,6 +118,39 @@ class Parallelism:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints, and resume from the newest one at start.")
+    folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder; holds step-<N> folders.")
+    interval: int = opt(500, "Save every this many steps (and after the last step).", gt=0)
+    async_mode: Literal["disabled", "async"] = opt(
+        "disabled", "async: copy the state to host memory, then write it in the background while "
+        "training continues.")
+    keep_latest_k: int = opt(
+        10, "Keep this many newest checkpoints (0: all). Old ones are deleted only after a newer "
+        "one is complete.", ge=0)
+    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the newest usable one.", ge=-1)
+    last_save_model_only: bool = opt(
+        False, "Make the save after the last step model weights only (for export), in export_dtype.")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "dtype of model-only saves and of the HuggingFace export.")
+    exclude_from_loading: list[str] = opt(
+        [], "Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, "
+        "train_state.")
+    on_damaged: Literal["fallback", "error"] = opt(
+        "fallback", "A checkpoint that fails to load: fall back to the previous one, or stop.")
+    initial_load_path: str = opt(
+        "", "With no checkpoint to resume from, start from these weights: a checkpoint step folder, "
+        "or a HuggingFace Llama folder (with initial_load_in_hf).")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a HuggingFace safetensors folder.")
+    last_save_in_hf: bool = opt(
+        False, "After the last step also export HuggingFace safetensors + config.json to "
+        "<folder>/step-<N>-hf.")
+    create_seed_checkpoint: bool = opt(
+        False, "Initialise the model, save it as step-0 (weights only) and exit: every run of an "
+        "experiment can then start from identical weights.")
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = opt(
         "selective", "Recompute activations in the backward pass instead of keeping them: none, "
@@ -161,6 +194,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
@@ -420,6 +454,12 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
             problem = _check_bounds(getattr(section, key), f)
             if problem:
                 raise ConfigError(f"{sources.describe(sname, key)} = {getattr(section, key)!r}: {problem}")
+    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    for part in cfg.checkpoint.exclude_from_loading:
+        if part not in parts:
+            raise ConfigError(
+                f"{sources.describe('checkpoint', 'exclude_from_loading')}: unknown part {part!r}; "
+                f"expected any of {', '.join(sorted(parts))}")
     ac = cfg.activation_checkpoint
     if ac.selective_ac_option != "op" and not (ac.selective_ac_option.isdigit()
                                                and int(ac.selective_ac_option) > 0):
