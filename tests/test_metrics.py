@@ -281,23 +281,24 @@ def test_max_loss_over_two_data_parallel_ranks(tmp_path, xla_device):
     (The data order is the same whatever the layout, as the 8-vs-1-device loss test relies on.)"""
     import train
 
-    rank0 = train.main(parse_args(tiny_args(
-        tmp_path / "rank0", "--training.steps", "1", "--training.local_batch_size", "4")))[0].loss
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
-    p = subprocess.run(
+    p = subprocess.Popen(  # runs while this process computes rank 0's loss
         [sys.executable, "-c", _DRIVER.format(repo=str(REPO)),
          *tiny_args(tmp_path / "dp2", "--training.steps", "2", "--training.local_batch_size", "4")],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    history = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("HISTORY "))[8:])
-    assert "mesh {'dp_replicate': 1, 'fsdp': 2, 'tp': 1}" in p.stderr
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    rank0 = train.main(parse_args(tiny_args(
+        tmp_path / "rank0", "--training.steps", "1", "--training.local_batch_size", "4")))[0].loss
+    stdout, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr[-3000:]
+    history = json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("HISTORY "))[8:])
+    assert "mesh {'dp_replicate': 1, 'fsdp': 2, 'tp': 1}" in stderr
     first = history[0]
     rank1 = 2 * first["loss"] - rank0
     # 2*loss - rank0 doubles float32 rounding of values near 8: 1e-5 relative covers it.
     assert first["max_loss"] == pytest.approx(max(rank0, rank1), rel=1e-5)
     assert abs(rank0 - rank1) > 1e-3  # the halves differ, so max != mean is really tested
     assert all(s["max_loss"] > s["loss"] for s in history)
-    assert f"(max {first['max_loss']:.4f})" in p.stderr  # on the console when dp > 1
+    assert f"(max {first['max_loss']:.4f})" in stderr  # on the console when dp > 1
 
 
 # --------------------------------------------------------------------------------------------
