@@ -38,10 +38,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.checkpoint import CheckpointManager, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer
     from torchtitan_xla.logging import init_logger, logger
-    from torchtitan_xla.metrics import MetricLogger, num_flops_per_token
+    from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
     from torchtitan_xla.optimizer import build_lr_scheduler, build_optimizer
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.utils import GarbageCollection, compile_stats, set_determinism
 
     init_logger()
@@ -116,9 +117,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     (dump_folder / "config.toml").write_text(job_config.to_toml())
     checkpoint.install_preemption_handler()
 
-    metric_logger = MetricLogger(
-        flops_per_token=flops_per_token, tokens_per_step=global_batch * training.seq_len,
-        num_devices=parallel_dims.world_size, color=job_config.metrics.enable_color_printing)
+    metric_logger = build_metric_logger(
+        job_config, flops_per_token=flops_per_token,
+        tokens_per_step=global_batch * training.seq_len, num_devices=parallel_dims.world_size,
+        dp_degree=parallel_dims.dp_degree, host_rank=host_rank, device=device)
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
 
     def microbatches(t: torch.Tensor) -> list[torch.Tensor]:
@@ -131,20 +133,26 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     def train_step(inputs: torch.Tensor, labels: torch.Tensor):
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        loss, rank_token_losses = 0.0, []
         for mb_inputs, mb_labels in zip(microbatches(inputs), microbatches(labels)):
             with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
                 logits = model(mb_inputs)
-            mb_loss = F.cross_entropy(logits.flatten(0, 1).float(), mb_labels.flatten(0, 1))
+            token_losses = F.cross_entropy(logits.flatten(0, 1).float(), mb_labels.flatten(0, 1),
+                                           reduction="none")
+            mb_loss = token_losses.mean()
             (mb_loss / accumulation_steps).backward()
             loss = loss + mb_loss.detach() / accumulation_steps
+            # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
+            rank_token_losses.append(token_losses.detach().view(parallel_dims.dp_degree, -1))
         if training.max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
         else:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
         optimizer.step()
-        return loss, grad_norm.detach()
+        # Everything the log line needs from the device, as one tensor: one transfer per log step.
+        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), parallel_dims.dp_degree)
+        return torch.stack([loss, grad_norm.detach(), max_loss])
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break.
@@ -159,41 +167,46 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     logger.info(f"Training steps {first_step}..{training.steps}, global batch {global_batch} x "
                 f"{training.seq_len} tokens ({accumulation_steps} accumulation step(s)), seed {seed}")
     metric_logger.reset_timer(train_state.step)
-    for step in range(first_step, training.steps + 1):
-        gc_handler.run(step)
-        data_start = time.perf_counter()
-        inputs, labels = next(data_iterator)
-        inputs, labels = xm.send_cpu_data_to_device([inputs, labels], device, batch_sharding)
-        metric_logger.add_data_wait(time.perf_counter() - data_start)
-        loss, grad_norm = compiled_step(inputs, labels)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
+    with maybe_enable_profiling(job_config) as profiler:
+        for step in range(first_step, training.steps + 1):
+            if profiler is not None:
+                profiler.step(step)
+            gc_handler.run(step)
+            data_start = time.perf_counter()
+            inputs, labels = next(data_iterator)
+            inputs, labels = xm.send_cpu_data_to_device([inputs, labels], device, batch_sharding)
+            metric_logger.add_data_wait(time.perf_counter() - data_start)
+            step_stats = compiled_step(inputs, labels)
+            lr = lr_scheduler.get_last_lr()[0]
+            lr_scheduler.step()
 
-        compiles, _ = compile_stats()
-        if step == warmup_end:
-            compiles_after_warmup = compiles
-        elif compiles_after_warmup is not None and compiles > compiles_after_warmup:
-            message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} compiles, "
-                       f"{compiles_after_warmup} at step {warmup_end}); run with "
-                       f"PT_XLA_DEBUG_LEVEL=1 to see why")
-            if job_config.debug.on_recompile == "error":
-                raise RuntimeError(message)
-            logger.warning(message)
-            compiles_after_warmup = compiles
+            compiles, _ = compile_stats()
+            if step == warmup_end:
+                compiles_after_warmup = compiles
+            elif compiles_after_warmup is not None and compiles > compiles_after_warmup:
+                message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} "
+                           f"compiles, {compiles_after_warmup} at step {warmup_end}); run with "
+                           f"PT_XLA_DEBUG_LEVEL=1 to see why")
+                if job_config.debug.on_recompile == "error":
+                    raise RuntimeError(message)
+                logger.warning(message)
+                compiles_after_warmup = compiles
 
-        if step == first_step or step % job_config.metrics.log_freq == 0 or step == training.steps:
-            # The one host transfer per log step; it waits for this step to finish.
-            history.append(metric_logger.log(step, loss.item(), grad_norm.item(), lr))
+            if step == first_step or step % job_config.metrics.log_freq == 0 or step == training.steps:
+                # The one host transfer per log step; it waits for this step to finish.
+                loss, grad_norm, max_loss = step_stats.tolist()
+                history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss))
 
-        train_state.step = step
-        if checkpoint.should_save(step, training.steps):
-            last = step == training.steps
-            checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
-            if compiles_after_warmup is not None:  # saving compiles small transfer graphs
-                compiles_after_warmup = compile_stats()[0]
-        if checkpoint.preempted:
-            logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
-            break
+            train_state.step = step
+            if checkpoint.should_save(step, training.steps):
+                last = step == training.steps
+                checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
+                if compiles_after_warmup is not None:  # saving compiles small transfer graphs
+                    compiles_after_warmup = compile_stats()[0]
+            if checkpoint.preempted:
+                logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
+                break
+    metric_logger.close()
 
     checkpoint.close()
     if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:

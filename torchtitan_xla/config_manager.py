@@ -175,7 +175,26 @@ class Metrics:
     enable_color_printing: bool = opt(True, "Colour the console line (only when printing to a terminal).")
     enable_tensorboard: bool = opt(False, "Write TensorBoard event files.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, inside dump_folder.")
-    rank_0_only: bool = opt(True, "On multi-host runs, only process 0 logs metrics.")
+    rank_0_only: bool = opt(
+        True, "On multi-host runs, only host 0 prints the step line and writes TensorBoard; "
+        "false: every host does, each into <save_tb_folder>/<time>/rank_<host>.")
+    peak_flops: float | None = opt(
+        None, "Peak FLOP/s of one device, for MFU. Unset: the bf16 peak of the TPU generation "
+        "(v4, v5e, v5p, v6e, v7); on other devices MFU is n/a.", gt=0)
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(
+        False, "Write XLA profiler traces (TensorBoard's profile plugin reads them).")
+    save_traces_folder: str = opt(
+        "profile_traces",
+        "Trace folder, inside dump_folder; one iteration_<step> subfolder per trace.")
+    profile_freq: int = opt(10, "Trace the steps ending at every multiple of this step.", gt=0)
+    profiler_active: int = opt(1, "Steps per trace (at most profile_freq).", gt=0)
+    save_xla_metrics_report: bool = opt(
+        False, "When the run ends (or fails), write torch_xla's metrics report (compiles, "
+        "transfers, executions, CPU fallbacks) to <dump_folder>/xla_metrics_report.txt.")
 
 
 @dataclass
@@ -198,6 +217,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -482,6 +502,12 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
         raise ConfigError(
             f"{sources.describe('parallelism', 'data_parallel_shard_degree')} = "
             f"{p.data_parallel_shard_degree}: must be -1 (all remaining devices) or > 0")
+    prof = cfg.profiling
+    if prof.profiler_active > prof.profile_freq:
+        raise ConfigError(
+            f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
+            f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
+            f"before the next starts")
     from torchtitan_xla.models import flavors_of  # torch-free registry of names
 
     known = flavors_of(cfg.model.name)
