@@ -37,6 +37,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     from torchtitan_xla.checkpoint import CheckpointManager, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer
+    from torchtitan_xla.float8 import convert_to_float8_training
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
@@ -86,6 +87,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                           training.seq_len)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {num_params:,} parameters, "
                 f"vocab {model_args.vocab_size}")
+    # Float8 linears replace nn.Linear before parallelize, which finds their weights by name.
+    convert_to_float8_training(model, job_config.float8)
 
     # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
     # sync below, so the shardings given by parallelize apply to the init computation itself.
@@ -120,7 +123,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     metric_logger = build_metric_logger(
         job_config, flops_per_token=flops_per_token,
         tokens_per_step=global_batch * training.seq_len, num_devices=parallel_dims.world_size,
-        dp_degree=parallel_dims.dp_degree, host_rank=host_rank, device=device)
+        dp_degree=parallel_dims.dp_degree, host_rank=host_rank, device=device,
+        float8=job_config.float8.enable_float8_linear)
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
 
     def microbatches(t: torch.Tensor) -> list[torch.Tensor]:

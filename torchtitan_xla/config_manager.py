@@ -170,6 +170,20 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    enable_float8_linear: bool = opt(
+        False, "Run the Linear layers' matmuls as float8 x float8 -> float32 dots (forward: e4m3 "
+        "input and weight; backward: e5m2 output gradient), with dynamic tensorwise scales. The "
+        "output projection stays in high precision. See docs/float8.md.")
+    filter_fqns: list[str] = opt(
+        [], "Keep Linear layers whose name contains any of these strings in high precision "
+        "(e.g. attention.wo).")
+    recipe_name: Literal["tensorwise"] = opt(
+        "tensorwise", "Scaling recipe: tensorwise = one dynamic scale per tensor from its "
+        "absolute maximum (global over shards).")
+
+
+@dataclass
 class Metrics:
     log_freq: int = opt(10, "Read the loss back and log every this many steps.", gt=0)
     enable_color_printing: bool = opt(True, "Colour the console line (only when printing to a terminal).")
@@ -216,6 +230,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torchtitan_xla.config_manager import ActivationCheckpoint, JobConfig
+from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
 
@@ -138,9 +139,11 @@ def _checkpoint_block(block: nn.Module) -> None:
 
 
 # Outputs kept by op-level selective checkpointing: the weight matmuls (Linear layers lower to
-# aten.mm). Norms, RoPE, attention scores and softmax, and the SwiGLU activation are recomputed;
-# like MaxText's "minimal" remat policy, so the S x S attention scores are never stored.
-_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# aten.mm; float8 linears to torchtitan_xla.float8_dot, whose output is the layer's output in the
+# compute dtype, so the same tensors are kept either way). Norms, RoPE, attention scores and
+# softmax, and the SwiGLU activation are recomputed; like MaxText's "minimal" remat policy, so the
+# S x S attention scores are never stored.
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, FLOAT8_DOT_OP}
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs):
