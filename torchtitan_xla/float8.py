@@ -11,8 +11,9 @@ the whole tensor: under SPMD the reduction spans every shard (XLA inserts it), s
 uses exactly the scale of the unsharded one. The scale is `f8_max / amax`, torchao's tensorwise
 recipe: the largest magnitude maps to the format's largest finite value.
 
-On hardware with float8 matrix units XLA runs these dots natively; elsewhere (the CPU backend) the
-compiler upcasts them, which still checks the numerics. docs/float8.md has the measurements.
+On hardware with float8 matrix units the compiler can run these dots natively (not verified here);
+the CPU backend rounds the operands to float8 and then multiplies in float32, which gives the same
+numbers (products of float8 values are exact in float32). docs/float8.md has the measurements.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def tensorwise_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t * scale in `dtype`, rounded to nearest even."""
     f8_max = torch.finfo(dtype).max
-    # The float32 product can round a hair past f8_max, which e4m3fn would turn into NaN: saturate.
+    # Saturate, as torchao does: the float32 product can round a hair past f8_max, and e4m3fn has
+    # no infinity to overflow into.
     return (t.float() * scale).clamp(-f8_max, f8_max).to(dtype)
 
 
@@ -161,7 +163,7 @@ def _why_skipped(name: str, linear: nn.Linear, filter_fqns: list[str]) -> str | 
     if hits:
         return f"filter_fqns {hits[0]!r}"
     if linear.in_features % DIM_MULTIPLE or linear.out_features % DIM_MULTIPLE:
-        return (f"{linear.in_features}x{linear.out_features} not multiples of {DIM_MULTIPLE}")
+        return f"{linear.in_features}x{linear.out_features} not multiples of {DIM_MULTIPLE}"
     return None
 
 
