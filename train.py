@@ -28,11 +28,10 @@ def main(job_config: JobConfig) -> list[StepStats]:
     import torch
     import torch.nn.functional as F
     import torch_xla
-    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    from torchtitan_xla.datasets import build_data_loader, build_tokenizer
+    from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import MetricLogger, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
@@ -59,15 +58,17 @@ def main(job_config: JobConfig) -> list[StepStats]:
     training = job_config.training
     tokenizer = build_tokenizer(job_config.model.tokenizer_path)
     global_batch = training.local_batch_size * parallel_dims.dp_degree
+    # Batches arrive on the mesh, sharded over the batch axes and prefetched in the background;
+    # with several hosts each one holds only its slice of the batch dimension.
     data_loader = build_data_loader(
         job_config, tokenizer, batch_size=global_batch // host_count,
-        host_rank=host_rank, host_count=host_count)
-    # With several hosts each one holds only its slice of the batch dimension.
-    batch_sharding = xs.ShardingSpec(mesh, (BATCH_AXES, None), minibatch=host_count > 1)
+        host_rank=host_rank, host_count=host_count, device=device,
+        input_sharding=xs.ShardingSpec(mesh, (BATCH_AXES, None), minibatch=host_count > 1))
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
                                 vocab_size=tokenizer.n_words, max_seq_len=training.seq_len)
+    check_vocab_size(tokenizer, model_args.vocab_size)
     with torch.device("meta"):
         model = model_name_to_cls[job_config.model.name](model_args)
     num_params = model.num_params()
@@ -127,7 +128,6 @@ def main(job_config: JobConfig) -> list[StepStats]:
         gc_handler.run(step)
         data_start = time.perf_counter()
         inputs, labels = next(data_iterator)
-        inputs, labels = xm.send_cpu_data_to_device([inputs, labels], device, batch_sharding)
         metric_logger.add_data_wait(time.perf_counter() - data_start)
         loss, grad_norm = compiled_step(inputs, labels)
         lr = lr_scheduler.get_last_lr()[0]
@@ -149,6 +149,7 @@ def main(job_config: JobConfig) -> list[StepStats]:
             # The one host transfer per log step; it waits for this step to finish.
             history.append(metric_logger.log(step, loss.item(), grad_norm.item(), lr))
 
+    data_loader.close()
     logger.info(f"Training completed: {compile_stats()[0]} XLA compiles in total")
     return history
 
