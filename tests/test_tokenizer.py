@@ -25,9 +25,11 @@ def test_llama3_special_token_layout():
     specials = llama3_special_tokens()
     assert len(specials) == 256 and len(set(specials)) == 256
     assert specials[:2] == ["<|begin_of_text|>", "<|end_of_text|>"]
-    assert specials[6:10] == ["<|start_header_id|>", "<|end_header_id|>",
-                              "<|reserved_special_token_4|>", "<|eot_id|>"]
-    assert specials[-1] == "<|reserved_special_token_250|>"
+    assert specials[4:12] == ["<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
+                              "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+                              "<|image|>"]
+    assert specials[12] == "<|reserved_special_token_2|>"
+    assert specials[-1] == "<|reserved_special_token_245|>"
 
 
 def test_tiktoken_bos_eos_and_round_trip(tiktok):

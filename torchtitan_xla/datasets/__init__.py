@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchtitan_xla.config_manager import ConfigError, JobConfig
+from torchtitan_xla.config_manager import JobConfig
 from torchtitan_xla.datasets.loader import DataLoader
 from torchtitan_xla.datasets.tokenizer import Tokenizer, build_tokenizer, check_vocab_size
 
@@ -31,7 +31,6 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
                                    split=split)
     else:
         documents = load_documents(t.dataset, t.dataset_path, split)
-        _check_workers(documents.num_shards, host_count, t.num_workers, t.dataset)
         dataset = PackedTextDataset(
             documents, tokenizer, t.seq_len, host_rank=host_rank, host_count=host_count,
             shuffle_buffer=t.shuffle_buffer, seed=seed, infinite=infinite, name=t.dataset)
@@ -42,20 +41,6 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
         persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
     return DataLoader(host_loader, host_rank=host_rank, host_count=host_count, num_workers=workers,
                       device=device, input_sharding=input_sharding)
-
-
-def _check_workers(num_shards: int, host_count: int, num_workers: int, name: str) -> None:
-    """Workers split a host's stream by whole shards (files): each needs at least one."""
-    if num_workers <= 1:
-        return
-    # split_dataset_by_node gives each host whole shards only when the count divides evenly;
-    # otherwise every host reads every shard and keeps one document in host_count.
-    per_host = num_shards // host_count if num_shards % host_count == 0 else num_shards
-    if num_workers > per_host:
-        raise ConfigError(
-            f"[training] num_workers = {num_workers}: dataset {name} has {num_shards} shard(s) "
-            f"(files), {per_host} per host; each worker needs at least one, so use at most {per_host}")
-
 
 
 def _worker_context():

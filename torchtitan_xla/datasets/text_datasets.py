@@ -254,55 +254,70 @@ class PackedTextDataset(IterableDataset):
     """This host's share of `documents`, tokenized (BOS + text + EOS) and cut into windows of
     seq_len + 1 tokens: inputs are window[:-1], labels window[1:]. No padding, no token lost.
 
+    Each reader (a host, or a DataLoader worker of a host) is one node of `split_dataset_by_node`
+    over hosts x workers: whole shards when their count divides evenly, otherwise one document in
+    every hosts x workers. The stream is read with `IterableDataset.iter`, not `iter()`: inside a
+    worker the latter re-shards by worker on its own, and in datasets 5.2 a state restored there
+    lands on the wrong shards.
+
     With `shuffle_buffer` > 0 documents pass through a buffer of that many and leave it in a
     seeded random order (the buffer's contents and random state are saved with the state)."""
 
     def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
                  host_rank: int = 0, host_count: int = 1, shuffle_buffer: int = 0, seed: int = 0,
                  infinite: bool = True, name: str = ""):
-        from datasets.distributed import split_dataset_by_node
-
         self.name = name
-        self._documents = split_dataset_by_node(documents, host_rank, host_count) if host_count > 1 else documents
-        self._where = f"host {host_rank} of {host_count}"
+        self._source = documents
+        self._host_rank, self._host_count = host_rank, host_count
         self._tokenizer = tokenizer
         self._window = seq_len + 1
         self._infinite = infinite
         self._shuffle_size = shuffle_buffer
-        self._seed = f"{seed}/{host_rank}"
-        # The state: position in the source (held by `_documents`), epoch, tokens read but not
-        # yet emitted, and the shuffle buffer with its random state.
+        self._seed = seed
+        # The state: position in the source (held by `_documents` once iterating), epoch, tokens
+        # read but not yet emitted, and the shuffle buffer with its random state.
+        self._documents: datasets.IterableDataset | None = None
+        self._source_state: dict | None = None  # loaded, not yet iterated from
         self._epoch = 0
         self._tokens: list[int] = []
         self._shuffle: list[str] = []
         self._rng: random.Random | None = None
-        self._source_state: dict | None = None  # loaded, not yet iterated from
-        self._iterated = False
+        self._where = f"host {host_rank} of {host_count}"
 
     # -- the stream ------------------------------------------------------------------------
 
+    def _reader(self) -> tuple[int, int]:
+        """This reader's rank and the number of readers over all hosts and workers."""
+        worker = get_worker_info()
+        wid, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        if worker:
+            self._where = f"host {self._host_rank} of {self._host_count}, worker {wid} of {workers}"
+        return self._host_rank * workers + wid, self._host_count * workers
+
     def _texts(self) -> Iterator[str]:
-        """This host's (and worker's) documents, epoch after epoch."""
+        """This reader's documents, epoch after epoch."""
+        from datasets.distributed import split_dataset_by_node
+
+        rank, world = self._reader()
+        self._documents = split_dataset_by_node(self._source, rank, world) if world > 1 else self._source
+        if self._rng is None:
+            self._rng = random.Random(f"{self._seed}/{rank}/{world}")
         while True:
             resumed = self._source_state is not None
-            self._documents.set_epoch(self._epoch)  # HF restores a loaded position for its epoch only
+            self._documents.set_epoch(self._epoch)  # HF restores a position for its epoch only
             if resumed:
                 self._documents.load_state_dict(self._source_state)
                 self._source_state = None
-            self._iterated = True
             count = 0
-            for example in self._documents:
+            for batch in self._documents.iter(batch_size=1):
                 count += 1
-                if "text" not in example:
+                if "text" not in batch:
                     raise ConfigError(f"dataset {self.name}: documents have no 'text' field "
-                                      f"(fields: {', '.join(example)})")
-                yield example["text"]
+                                      f"(fields: {', '.join(batch)})")
+                yield batch["text"][0]
             if count == 0 and not resumed:
-                worker = get_worker_info()
-                who = self._where + (f", DataLoader worker {worker.id} of {worker.num_workers}" if worker else "")
-                raise ConfigError(
-                    f"dataset {self.name}: no documents for {who} (the dataset is empty, or has "
-                    f"fewer shards (files) than hosts x num_workers can split)")
+                raise ConfigError(f"dataset {self.name}: no documents for {self._where} (the "
+                                  f"dataset is empty, or has fewer documents than readers)")
             if not self._infinite:
                 return
             self._epoch += 1
@@ -323,9 +338,6 @@ class PackedTextDataset(IterableDataset):
             yield self._shuffle.pop()
 
     def __iter__(self):
-        if self._rng is None:
-            worker = get_worker_info()
-            self._rng = random.Random(f"{self._seed}/{worker.id if worker else 0}")
         texts = self._texts()
         if self._shuffle_size:
             texts = self._shuffled(texts)
@@ -340,7 +352,8 @@ class PackedTextDataset(IterableDataset):
     # -- checkpointing ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        source = self._documents.state_dict() if self._iterated else self._source_state
+        iterating = self._documents is not None and self._source_state is None
+        source = self._documents.state_dict() if iterating else self._source_state
         return {"epoch": self._epoch, "source": source, "token_buffer": list(self._tokens),
                 "shuffle_buffer": list(self._shuffle),
                 "rng": self._rng.getstate() if self._rng is not None else None}
@@ -348,7 +361,6 @@ class PackedTextDataset(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._epoch = state["epoch"]
         self._source_state = state["source"]
-        self._iterated = False
         self._tokens = list(state["token_buffer"])
         self._shuffle = list(state["shuffle_buffer"])
         if state["rng"] is not None:
