@@ -25,7 +25,8 @@ def one_window_docs(n: int, seq_len: int = 15) -> list[str]:
     return [f"d{i:04d}".ljust(seq_len - 1, ".") for i in range(n)]
 
 
-def write_jsonl(path: Path, texts: list[str], *, gz: bool = False, extra: dict | None = None) -> Path:
+def write_jsonl(path: Path, texts: list[str], *, gz: bool = False,
+                extra: dict | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps({"text": t, **(extra or {})}) + "\n" for t in texts)
     if gz:
@@ -37,9 +38,11 @@ def write_jsonl(path: Path, texts: list[str], *, gz: bool = False, extra: dict |
 
 
 def write_c4(root: Path, texts: list[str], files: int, split: str = "train") -> Path:
-    """`texts` spread over `files` files in allenai/c4's layout: en/c4-<split>.NNNNN-of-01024.json.gz."""
+    """`texts` spread over `files` files in allenai/c4's layout:
+    en/c4-<split>.NNNNN-of-01024.json.gz, with C4's other fields."""
     per = -(-len(texts) // files)
     for k in range(files):
-        write_jsonl(root / "en" / f"c4-{split}.{k:05d}-of-01024.json.gz", texts[k * per:(k + 1) * per],
-                    gz=True, extra={"timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{k}"})
+        write_jsonl(root / "en" / f"c4-{split}.{k:05d}-of-01024.json.gz",
+                    texts[k * per:(k + 1) * per], gz=True,
+                    extra={"timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{k}"})
     return root

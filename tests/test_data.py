@@ -27,7 +27,8 @@ def config(*args):
 
 
 def loader(*args, batch_size=1, tokenizer=None, **kw):
-    return build_data_loader(config(*args), tokenizer or CharTokenizer(), batch_size=batch_size, **kw)
+    return build_data_loader(config(*args), tokenizer or CharTokenizer(), batch_size=batch_size,
+                             **kw)
 
 
 def take(it, n):
@@ -41,7 +42,7 @@ def texts_of(batches):
 
 def same(a, b):
     return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
-                                    for x, y in zip(a, b))
+                                    for x, y in zip(a, b, strict=True))
 
 
 def stream(docs, seq_len, **kw):
@@ -83,8 +84,9 @@ def test_end_of_data_reloops_deterministically_and_logs_it():
     again = [CharTokenizer().decode(w[0].tolist()) for w in take(iter(stream(docs, 15)), 75)]
     assert again == windows
     messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert "dataset test (host 0 of 1): end of data, re-looping from the start (epoch 1)" in messages
-    assert "dataset test (host 0 of 1): end of data, re-looping from the start (epoch 2)" in messages
+    for epoch in (1, 2):
+        assert (f"dataset test (host 0 of 1): end of data, re-looping from the start "
+                f"(epoch {epoch})") in messages
 
 
 def test_shuffle_is_a_seeded_permutation_of_the_documents():
@@ -153,7 +155,8 @@ from data_helpers import CharTokenizer
 from torchtitan_xla.config_manager import parse_args
 from torchtitan_xla.datasets import build_data_loader
 
-mode, state_file, k, m, hosts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+mode, state_file = sys.argv[1:3]
+k, m, hosts = map(int, sys.argv[3:6])
 cfg = parse_args(sys.argv[6:])
 def build(rank):
     return build_data_loader(cfg, CharTokenizer(), batch_size=2, host_rank=rank, host_count=hosts)
@@ -196,8 +199,8 @@ def test_resume_in_a_fresh_process_matches_an_uninterrupted_run(tmp_path):
     corpus = [f"Document {i}. " + "Lorem ipsum dolor sit amet. " * (1 + i % 5) for i in range(24)]
     write_c4(tmp_path / "c4", corpus, files=4)
     cases = {
-        "one_host": (1, ["--training.dataset", "c4", "--training.dataset_path", str(tmp_path / "c4"),
-                         "--training.shuffle_buffer", "5"]),
+        "one_host": (1, ["--training.dataset", "c4", "--training.dataset_path",
+                         str(tmp_path / "c4"), "--training.shuffle_buffer", "5"]),
         "two_hosts_workers": (2, ["--training.dataset", "c4", "--training.dataset_path",
                                   str(tmp_path / "c4"), "--training.num_workers", "2"]),
     }
@@ -242,7 +245,8 @@ def test_restoring_with_another_host_count_or_worker_count_is_refused(tmp_path):
         loader(*args).load_state_dict(state)
     with pytest.raises(ConfigError, match=r"^\[training\] num_workers = 2: the data loader "
                                           r"checkpoint was saved with num_workers = 0; resume"):
-        loader(*args, "--training.num_workers", "2", host_rank=1, host_count=2).load_state_dict(state)
+        dl = loader(*args, "--training.num_workers", "2", host_rank=1, host_count=2)
+        dl.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +261,8 @@ def docs_of(ds):
 def test_python_docs_holds_out_every_tenth_topic_for_validation():
     from torchtitan_xla.datasets import python_docs
 
-    train, val = docs_of(load_documents("python_docs")), docs_of(load_documents("python_docs", "", "validation"))
+    train = docs_of(load_documents("python_docs"))
+    val = docs_of(load_documents("python_docs", "", "validation"))
     assert len(train) + len(val) == len(python_docs.documents()) and len(val) == 7
     assert not set(train) & set(val)
     assert val[0] == python_docs.documents()[9]
@@ -279,18 +284,46 @@ def test_json_parquet_text_and_saved_hf_datasets(tmp_path):
     assert docs_of(load_documents("json", str(tmp_path / "j"))) == ["j1", "j2", "j3"]
     assert docs_of(load_documents("json", str(tmp_path / "j" / "*.gz"))) == ["j3"]
 
-    datasets.Dataset.from_dict({"text": ["p1", "p2"], "id": [1, 2]}).to_parquet(str(tmp_path / "p.parquet"))
+    parquet = datasets.Dataset.from_dict({"text": ["p1", "p2"], "id": [1, 2]})
+    parquet.to_parquet(str(tmp_path / "p.parquet"))
     assert docs_of(load_documents("parquet", str(tmp_path / "p.parquet"))) == ["p1", "p2"]
 
     (tmp_path / "t.txt").write_text("First paragraph\nstill first.\n\n\nSecond.\n")
-    assert docs_of(load_documents("text", str(tmp_path / "t.txt"))) == ["First paragraph\nstill first.",
-                                                                         "Second."]
+    assert docs_of(load_documents("text", str(tmp_path / "t.txt"))) == [
+        "First paragraph\nstill first.", "Second."]
     datasets.DatasetDict({
         "train": datasets.Dataset.from_dict({"text": ["h1", "h2", "h3"]}),
         "validation": datasets.Dataset.from_dict({"text": ["hv"]}),
     }).save_to_disk(str(tmp_path / "hf"))
     assert docs_of(load_documents("hf", str(tmp_path / "hf"))) == ["h1", "h2", "h3"]
     assert docs_of(load_documents("hf", str(tmp_path / "hf"), "validation")) == ["hv"]
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet", "text", "hf"])
+def test_every_format_resumes_exactly_on_the_second_host(tmp_path, kind):
+    import datasets
+
+    texts = [f"Text number {i}, " + "words " * (i % 4) for i in range(30)]
+    for k in range(3):
+        part = texts[10 * k: 10 * (k + 1)]
+        if kind == "json":
+            write_jsonl(tmp_path / f"{k}.jsonl", part)
+        elif kind == "parquet":
+            datasets.Dataset.from_dict({"text": part}).to_parquet(str(tmp_path / f"{k}.parquet"))
+        elif kind == "text":
+            (tmp_path / f"{k}.txt").write_text("\n\n".join(part))
+    if kind == "hf":
+        datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
+    args = ["--training.dataset", kind, "--training.dataset_path",
+            str(tmp_path / "hf" if kind == "hf" else tmp_path)]
+    full = take(iter(loader(*args, host_rank=1, host_count=2)), 40)  # > 1 epoch (~33)
+    dl = loader(*args, host_rank=1, host_count=2)
+    first = take(iter(dl), 17)
+    state = dl.state_dict()
+    dl.close()
+    resumed = loader(*args, host_rank=1, host_count=2)
+    resumed.load_state_dict(state)
+    assert same(first + take(iter(resumed), 23), full)
 
 
 def test_synthetic_tokens_are_deterministic_per_host_and_resumable():
@@ -333,10 +366,12 @@ def test_missing_paths_and_unknown_names(tmp_path):
     with pytest.raises(ConfigError, match=r"^\[training\] dataset_path: the 'json' dataset needs"):
         load_documents("json", "")
     with pytest.raises(ConfigError, match=r"^\[training\] dataset_path: no en/c4-train.NNNNN-of-"
-                                          r"NNNNN.json.gz files in .* \(expected the layout of allenai/c4\)"):
+                                          r"NNNNN.json.gz files in .* \(expected the layout of "
+                                          r"allenai/c4\)"):
         load_documents("c4", str(tmp_path))
     with pytest.raises(ConfigError, match=r"^\[training\] dataset: unknown dataset 'c5'; expected "
-                                          r"one of: python_docs, c4, json, parquet, text, hf, synthetic"):
+                                          r"one of: python_docs, c4, json, parquet, text, hf, "
+                                          r"synthetic"):
         load_documents("c5")
     with pytest.raises(ConfigError, match=r"^\[training\] dataset_split: 'json' reads exactly the "
                                           r"files at dataset_path and has no 'validation' split"):
@@ -347,8 +382,8 @@ def test_missing_paths_and_unknown_names(tmp_path):
 
 def test_c4_from_the_hub_fails_in_one_line_when_offline():
     # conftest sets HF_HUB_OFFLINE=1; online this streams allenai/c4 (not verified here).
-    with pytest.raises(ConfigError, match=r"^\[training\] dataset: cannot stream allenai/c4/en split "
-                                          r"'train' from the Hugging Face Hub \(.*\); for offline "
+    with pytest.raises(ConfigError, match=r"^\[training\] dataset: cannot stream allenai/c4/en "
+                                          r"split 'train' from the Hugging Face Hub \(.*\); for offline "
                                           r"use, set \[training\] dataset_path to a local copy$"):
         load_documents("c4")
 
@@ -401,6 +436,71 @@ def test_truncated_gzip(tmp_path):
 
 def test_tokenizer_larger_than_the_model_vocabulary():
     check_vocab_size(CharTokenizer(), 258)
-    with pytest.raises(ConfigError, match=r"^\[model\] tokenizer_path: the tokenizer has 258 ids "
-                                          r"\(BOS 256, EOS 257\) but the model's vocab_size is 200;"):
+    with pytest.raises(ConfigError, match=r"^\[model\] tokenizer_path: the tokenizer has 258 "
+                                          r"ids \(BOS 256, EOS 257\) but the model's vocab_size "
+                                          r"is 200;"):
         check_vocab_size(CharTokenizer(), 200)
+
+
+# --------------------------------------------------------------------------------------------
+# Onto the device mesh; errors through train.py
+# --------------------------------------------------------------------------------------------
+
+DEVICE_DRIVER = """
+import sys
+sys.path[:0] = {paths!r}
+import torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+from data_helpers import CharTokenizer
+from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.datasets import build_data_loader
+from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims
+
+xr.use_spmd()
+cfg = parse_args(["--training.seq_len", "16", "--parallelism.data_parallel_replicate_degree", "2",
+                  "--parallelism.data_parallel_shard_degree", "2", "--training.num_workers", "1"])
+mesh = ParallelDims.from_config(cfg.parallelism, 4).build_mesh()
+spec = xs.ShardingSpec(mesh, (BATCH_AXES, None), minibatch=False)
+on_device = build_data_loader(cfg, CharTokenizer(), batch_size=8, device=torch_xla.device(),
+                              input_sharding=spec)
+on_host = build_data_loader(cfg, CharTokenizer(), batch_size=8)
+for (inputs, labels), (host_in, host_lab) in zip([next(iter(on_device)) for _ in range(3)],
+                                                  [next(iter(on_host)) for _ in range(3)]):
+    assert torch.equal(inputs.cpu(), host_in) and torch.equal(labels.cpu(), host_lab)
+    for t, host in ((inputs, host_in), (labels, host_lab)):
+        assert torch_xla._XLAC._get_xla_sharding_spec(t) == "{{devices=[4,1]0,1,2,3}}"
+        shards = torch_xla._XLAC._get_local_shards([t])[0]
+        assert len(shards) == 4
+        for k, (shard, device) in enumerate(shards):
+            assert device == f"CPU:{{k}}" and torch.equal(shard.cpu(), host[2 * k: 2 * k + 2])
+on_device.close()
+on_host.close()
+print("DEVICE OK")
+"""
+
+
+def test_batches_arrive_sharded_over_the_batch_axes_one_slice_per_device():
+    """4 devices, dp_replicate 2 x fsdp 2: each device holds only its 2 of the 8 rows (no
+    full-batch copy per device), and the rows are the host loader's, in order."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, _env
+
+    script = DEVICE_DRIVER.format(paths=[str(REPO), str(REPO / "tests")])
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=_env(4, None), timeout=300)
+    assert p.returncode == 0 and "DEVICE OK" in p.stdout, p.stderr[-3000:]
+
+
+def test_a_bad_document_line_stops_train_py_with_one_line(tmp_path):
+    from helpers import run_train, tiny_args
+
+    path = write_jsonl(tmp_path / "data.jsonl", ["fine"] * 3)
+    with path.open("a") as fh:
+        fh.write("not json\n")
+    run = run_train(tiny_args(tmp_path / "out", "--training.dataset", "json",
+                              "--training.dataset_path", str(path)))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: {path}:4: not a JSON object (Expecting value)")
+    assert "Traceback" not in run.stderr

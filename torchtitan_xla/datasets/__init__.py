@@ -21,7 +21,11 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     background thread; without, they stay on the host (tests, benchmarks)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from torchtitan_xla.datasets.text_datasets import PackedTextDataset, SyntheticDataset, load_documents
+    from torchtitan_xla.datasets.text_datasets import (
+        PackedTextDataset,
+        SyntheticDataset,
+        load_documents,
+    )
 
     t = job_config.training
     seed = job_config.debug.seed if job_config.debug.seed is not None else DEFAULT_SEED

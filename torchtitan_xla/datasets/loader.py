@@ -5,9 +5,9 @@ tokenizing worker processes or not), records the loader's state right after each
 the batch to the devices with the batch-axis sharding (each device receives only its rows). The
 training loop's `next()` only blocks when that thread is behind.
 
-The thread runs ahead of the loop, so the loader's own state is ahead of the last batch the loop
-took. `state_dict()` therefore returns the state recorded with the last batch *handed out*: restoring
-it replays exactly the batches the interrupted run had prefetched but not trained on.
+The thread runs ahead of the loop, so the loader's own state is ahead of the last batch the
+loop took. `state_dict()` therefore returns the state recorded with the last batch *handed out*:
+restoring it replays exactly the batches the interrupted run had prefetched but not trained on.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class DataLoader:
     under its own key, so a checkpoint holds every host's state side by side. Restoring with a
     different host count or worker count is refused (a stream cannot be re-split exactly)."""
 
-    def __init__(self, host_loader, *, host_rank: int = 0, host_count: int = 1, num_workers: int = 0,
-                 device=None, input_sharding=None, prefetch: int = 2):
+    def __init__(self, host_loader, *, host_rank: int = 0, host_count: int = 1,
+                 num_workers: int = 0, device=None, input_sharding=None, prefetch: int = 2):
         self.host_loader = host_loader
         self.host_rank, self.host_count, self.num_workers = host_rank, host_count, num_workers
         self._device, self._input_sharding = device, input_sharding
@@ -92,7 +92,8 @@ class DataLoader:
                 if self._device is not None:
                     import torch_xla.core.xla_model as xm
 
-                    batch = tuple(xm.send_cpu_data_to_device(list(batch), self._device, self._input_sharding))
+                    batch = tuple(xm.send_cpu_data_to_device(
+                        list(batch), self._device, self._input_sharding))
                 self._put((batch, state))
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(_Failure(e))
@@ -132,8 +133,8 @@ class DataLoader:
         own = pickle.loads(state[key])
         if own["num_workers"] != self.num_workers:
             raise ConfigError(
-                f"[training] num_workers = {self.num_workers}: the data loader checkpoint was saved "
-                f"with num_workers = {own['num_workers']}; resume with the same value")
+                f"[training] num_workers = {self.num_workers}: the data loader checkpoint was "
+                f"saved with num_workers = {own['num_workers']}; resume with the same value")
         self._state = own["loader"]
         if self._state is not None:
             self.host_loader.load_state_dict(self._state)

@@ -62,8 +62,10 @@ def _read_json_lines(files: list[str]) -> Iterator[dict[str, str]]:
                         raise ConfigError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
                     text = record.get("text") if isinstance(record, dict) else None
                     if not isinstance(text, str):
-                        fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                        raise ConfigError(f"{file}:{lineno}: no 'text' string field (found: {fields})")
+                        found = (", ".join(record) if isinstance(record, dict)
+                                 else type(record).__name__)
+                        raise ConfigError(
+                            f"{file}:{lineno}: no 'text' string field (found: {found})")
                     yield {"text": text}
         except (OSError, EOFError, UnicodeDecodeError) as e:
             raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
@@ -109,7 +111,8 @@ def _from_generator(fn, **shards: list) -> datasets.IterableDataset:
 def _local_files(path: str, suffixes: tuple[str, ...], kind: str) -> list[str]:
     """A file, a folder (searched recursively) or a glob pattern -> sorted file list."""
     if not path:
-        raise ConfigError(f"[training] dataset_path: the '{kind}' dataset needs a file, folder or glob")
+        raise ConfigError(
+            f"[training] dataset_path: the '{kind}' dataset needs a file, folder or glob")
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(str(p), recursive=True) if os.path.isfile(f))
@@ -127,8 +130,8 @@ def _local_files(path: str, suffixes: tuple[str, ...], kind: str) -> list[str]:
 def _only_train(name: str, split: str) -> None:
     if split != "train":
         raise ConfigError(
-            f"[training] dataset_split: '{name}' reads exactly the files at dataset_path and has no "
-            f"'{split}' split; point dataset_path at those files instead")
+            f"[training] dataset_split: '{name}' reads exactly the files at dataset_path and has "
+            f"no '{split}' split; point dataset_path at those files instead")
 
 
 def _python_docs(path: str, split: str) -> datasets.IterableDataset:
@@ -141,23 +144,26 @@ def _python_docs(path: str, split: str) -> datasets.IterableDataset:
     elif split == "validation":
         texts = [d for i, d in enumerate(docs) if i % 10 == 9]
     else:
-        raise ConfigError(f"[training] dataset_split: python_docs has splits train and validation, not {split!r}")
+        raise ConfigError(f"[training] dataset_split: python_docs has splits train and "
+                          f"validation, not {split!r}")
     return _from_generator(_yield_texts, texts=texts)  # one shard per document
 
 
 def _c4(path: str, split: str) -> datasets.IterableDataset:
     if split not in ("train", "validation"):
-        raise ConfigError(f"[training] dataset_split: c4 has splits train and validation, not {split!r}")
+        raise ConfigError(
+            f"[training] dataset_split: c4 has splits train and validation, not {split!r}")
     if not path:
         return _hub(C4_HUB_ID, split, config="en")
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise ConfigError(f"[training] dataset_path: not found: {path} (expected a copy of {C4_HUB_ID})")
+        raise ConfigError(
+            f"[training] dataset_path: not found: {path} (expected a copy of {C4_HUB_ID})")
     en = root / "en" if (root / "en").is_dir() else root
     files = sorted(str(f) for f in en.glob(f"c4-{split}.*-of-*.json.gz"))
     if not files:
-        raise ConfigError(f"[training] dataset_path: no en/c4-{split}.NNNNN-of-NNNNN.json.gz files in "
-                          f"{path} (expected the layout of {C4_HUB_ID})")
+        raise ConfigError(f"[training] dataset_path: no en/c4-{split}.NNNNN-of-NNNNN.json.gz "
+                          f"files in {path} (expected the layout of {C4_HUB_ID})")
     return _from_generator(_read_json_lines, files=files)
 
 
@@ -180,7 +186,8 @@ def _parquet(path: str, split: str) -> datasets.IterableDataset:
     try:
         ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
     except Exception as e:  # pyarrow reports unreadable files with various exception types
-        raise ConfigError(f"[training] dataset_path: {path}: not readable as Parquet ({_first_line(e)})") from None
+        raise ConfigError(f"[training] dataset_path: {path}: not readable as Parquet "
+                          f"({_first_line(e)})") from None
     return _text_column(ds, path)
 
 
@@ -189,18 +196,22 @@ def _hf(path: str, split: str) -> datasets.IterableDataset:
     import datasets
 
     if not path:
-        raise ConfigError("[training] dataset_path: the 'hf' dataset needs a save_to_disk folder or a Hub id")
+        raise ConfigError(
+            "[training] dataset_path: the 'hf' dataset needs a save_to_disk folder or a Hub id")
     if Path(path).expanduser().is_dir():
         try:
             ds = datasets.load_from_disk(str(Path(path).expanduser()))
         except FileNotFoundError as e:
-            raise ConfigError(f"[training] dataset_path: {path} is not a save_to_disk folder ({_first_line(e)})") from None
+            raise ConfigError(f"[training] dataset_path: {path} is not a save_to_disk folder "
+                              f"({_first_line(e)})") from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ConfigError(f"[training] dataset_split: {path} has splits {', '.join(ds)}, not {split!r}")
+                raise ConfigError(f"[training] dataset_split: {path} has splits "
+                                  f"{', '.join(ds)}, not {split!r}")
             ds = ds[split]
         elif split != "train":
-            raise ConfigError(f"[training] dataset_split: {path} holds a single split; {split!r} needs a DatasetDict")
+            raise ConfigError(f"[training] dataset_split: {path} holds a single split; "
+                              f"{split!r} needs a DatasetDict")
         if len(ds) == 0:
             raise ConfigError(f"[training] dataset_path: {path} has no rows")
         # Many shards so that hosts and workers can each take whole shards.
@@ -225,7 +236,8 @@ def _hub(repo_id: str, split: str, config: str | None = None) -> datasets.Iterab
 def _text_column(ds: datasets.IterableDataset, where: str) -> datasets.IterableDataset:
     columns = ds.column_names
     if columns is not None and "text" not in columns:
-        raise ConfigError(f"[training] dataset_path: {where} has no 'text' column (columns: {', '.join(columns)})")
+        raise ConfigError(f"[training] dataset_path: {where} has no 'text' column "
+                          f"(columns: {', '.join(columns)})")
     return ds.select_columns(["text"]) if columns else ds
 
 
@@ -241,7 +253,8 @@ _REGISTRY = {"python_docs": _python_docs, "c4": _c4, "json": _json, "parquet": _
 def load_documents(name: str, path: str = "", split: str = "train") -> datasets.IterableDataset:
     """The dataset registry: name, local path and split -> a stream of {"text": ...} rows."""
     if name not in _REGISTRY:
-        raise ConfigError(f"[training] dataset: unknown dataset {name!r}; expected one of: {', '.join(DATASET_NAMES)}")
+        raise ConfigError(f"[training] dataset: unknown dataset {name!r}; expected one of: "
+                          f"{', '.join(DATASET_NAMES)}")
     return _REGISTRY[name](path, split)
 
 
@@ -299,7 +312,8 @@ class PackedTextDataset(IterableDataset):
         from datasets.distributed import split_dataset_by_node
 
         rank, world = self._reader()
-        self._documents = split_dataset_by_node(self._source, rank, world) if world > 1 else self._source
+        self._documents = (split_dataset_by_node(self._source, rank, world) if world > 1
+                           else self._source)
         if self._rng is None:
             self._rng = random.Random(f"{self._seed}/{rank}/{world}")
         while True:

@@ -62,6 +62,6 @@ def check_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> None:
     """Every id the tokenizer can produce must have a row in the model's embedding."""
     if tokenizer.n_words > vocab_size:
         raise ConfigError(
-            f"[model] tokenizer_path: the tokenizer has {tokenizer.n_words:,} ids (BOS {tokenizer.bos_id}, "
-            f"EOS {tokenizer.eos_id}) but the model's vocab_size is {vocab_size:,}; use the "
-            f"model's own tokenizer or a model with a larger vocabulary")
+            f"[model] tokenizer_path: the tokenizer has {tokenizer.n_words:,} ids (BOS "
+            f"{tokenizer.bos_id}, EOS {tokenizer.eos_id}) but the model's vocab_size is "
+            f"{vocab_size:,}; use the model's own tokenizer or a model with a larger vocabulary")
