@@ -504,3 +504,13 @@ def test_a_bad_document_line_stops_train_py_with_one_line(tmp_path):
     assert run.stderr.strip().splitlines()[-1] == (
         f"error: {path}:4: not a JSON object (Expecting value)")
     assert "Traceback" not in run.stderr
+
+
+def test_the_config_offers_exactly_the_registered_datasets():
+    import typing
+
+    from torchtitan_xla.config_manager import Training
+    from torchtitan_xla.datasets.text_datasets import DATASET_NAMES
+
+    choices = typing.get_args(typing.get_type_hints(Training)["dataset"])
+    assert choices == DATASET_NAMES

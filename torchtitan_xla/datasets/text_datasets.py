@@ -32,8 +32,7 @@ if TYPE_CHECKING:
     import datasets
 
 C4_HUB_ID = "allenai/c4"
-TEXT_DATASETS = ("python_docs", "c4", "json", "parquet", "text", "hf")
-DATASET_NAMES = (*TEXT_DATASETS, "synthetic")
+DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "synthetic")
 
 
 # --------------------------------------------------------------------------------------------
