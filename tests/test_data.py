@@ -383,8 +383,9 @@ def test_missing_paths_and_unknown_names(tmp_path):
 def test_c4_from_the_hub_fails_in_one_line_when_offline():
     # conftest sets HF_HUB_OFFLINE=1; online this streams allenai/c4 (not verified here).
     with pytest.raises(ConfigError, match=r"^\[training\] dataset: cannot stream allenai/c4/en "
-                                          r"split 'train' from the Hugging Face Hub \(.*\); for offline "
-                                          r"use, set \[training\] dataset_path to a local copy$"):
+                                          r"split 'train' from the Hugging Face Hub \(.*\); for "
+                                          r"offline use, set \[training\] dataset_path to a local "
+                                          r"copy$"):
         load_documents("c4")
 
 
