@@ -239,9 +239,10 @@ def test_restoring_with_another_host_count_or_worker_count_is_refused(tmp_path):
     take(iter(dl), 3)
     state = dl.state_dict()
     dl.close()
-    assert set(state) == {"host_count", "host_1"}
-    with pytest.raises(ConfigError, match=r"^data loader checkpoint: saved with 2 host\(s\), "
-                                          r"resumed with 1; the data stream cannot be re-split"):
+    assert (state["host_rank"], state["host_count"], state["num_workers"]) == (1, 2, 0)
+    with pytest.raises(ConfigError, match=r"^data loader checkpoint: saved by host 1 of 2, "
+                                          r"restored on host 0 of 1; the data stream cannot be "
+                                          r"re-split across a different number of hosts$"):
         loader(*args).load_state_dict(state)
     with pytest.raises(ConfigError, match=r"^\[training\] num_workers = 2: the data loader "
                                           r"checkpoint was saved with num_workers = 0; resume"):

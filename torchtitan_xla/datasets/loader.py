@@ -12,7 +12,6 @@ restoring it replays exactly the batches the interrupted run had prefetched but 
 
 from __future__ import annotations
 
-import pickle
 import queue
 import threading
 from typing import Any
@@ -41,9 +40,9 @@ class DataLoader:
     """Iterate for (inputs, labels) batches of [batch_size, seq_len]: on `device` with
     `input_sharding` when a device is given, on the host otherwise.
 
-    `state_dict()` / `load_state_dict()` follow torchtitan's per-rank layout: this host's state
-    under its own key, so a checkpoint holds every host's state side by side. Restoring with a
-    different host count or worker count is refused (a stream cannot be re-split exactly)."""
+    `state_dict()` is this host's state, with the host's identity (rank, host count, workers);
+    the checkpoint stores each host's under its own key. Restoring with a different host count,
+    rank or worker count is refused (a stream cannot be re-split exactly)."""
 
     def __init__(self, host_loader, *, host_rank: int = 0, host_count: int = 1,
                  num_workers: int = 0, device=None, input_sharding=None, prefetch: int = 2):
@@ -118,23 +117,22 @@ class DataLoader:
     # -- checkpointing -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        own = {"num_workers": self.num_workers, "loader": self._state}
-        return {"host_count": self.host_count, f"host_{self.host_rank}": pickle.dumps(own)}
+        # "loader": the StatefulDataLoader's state after the last batch handed out (None: none yet).
+        return {"host_rank": self.host_rank, "host_count": self.host_count,
+                "num_workers": self.num_workers, "loader": self._state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._thread is not None:
             raise RuntimeError("DataLoader.load_state_dict must be called before iterating")
-        key = f"host_{self.host_rank}"
-        if state.get("host_count") != self.host_count or key not in state:
+        if (state["host_count"], state["host_rank"]) != (self.host_count, self.host_rank):
             raise ConfigError(
-                f"data loader checkpoint: saved with {state.get('host_count')} host(s), resumed "
-                f"with {self.host_count}; the data stream cannot be re-split across a different "
-                f"number of hosts")
-        own = pickle.loads(state[key])
-        if own["num_workers"] != self.num_workers:
+                f"data loader checkpoint: saved by host {state['host_rank']} of "
+                f"{state['host_count']}, restored on host {self.host_rank} of {self.host_count}; "
+                f"the data stream cannot be re-split across a different number of hosts")
+        if state["num_workers"] != self.num_workers:
             raise ConfigError(
                 f"[training] num_workers = {self.num_workers}: the data loader checkpoint was "
-                f"saved with num_workers = {own['num_workers']}; resume with the same value")
-        self._state = own["loader"]
+                f"saved with num_workers = {state['num_workers']}; resume with the same value")
+        self._state = state["loader"]
         if self._state is not None:
             self.host_loader.load_state_dict(self._state)
