@@ -23,20 +23,25 @@ if TYPE_CHECKING:
     from torchtitan_xla.metrics import StepStats
 
 
-def main(job_config: JobConfig) -> list[StepStats]:
-    """Run the job; returns what was logged at each logging step."""
+def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[StepStats]:
+    """Run the job; returns what was logged at each logging step.
+
+    `model_overrides` replace fields of the flavor's ModelArgs (benchmarks and tests use it to vary
+    depth or size without adding flavors)."""
     import torch
     import torch.nn.functional as F
     import torch_xla
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
+    from torchtitan_xla.checkpoint import CheckpointManager, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.logging import init_logger, logger
-    from torchtitan_xla.metrics import MetricLogger, num_flops_per_token
+    from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
     from torchtitan_xla.optimizer import build_lr_scheduler, build_optimizer
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.utils import GarbageCollection, compile_stats, set_determinism
 
     init_logger()
@@ -48,16 +53,19 @@ def main(job_config: JobConfig) -> list[StepStats]:
     xr.use_spmd()
     device = torch_xla.device()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, xr.global_runtime_device_count())
-    mesh = parallel_dims.build_mesh()
     host_rank, host_count = xr.process_index(), xr.process_count()
+    training = job_config.training
+    global_batch = (training.global_batch_size if training.global_batch_size > 0
+                    else training.local_batch_size * parallel_dims.dp_degree)
+    accumulation_steps = parallel_dims.check_batch(
+        global_batch, training.local_batch_size, training.seq_len, host_count)
+    mesh = parallel_dims.build_mesh(xr.device_type())
     logger.info(f"{xr.global_runtime_device_count()} {xr.device_type()} devices, "
                 f"{host_count} host(s); mesh {dict(zip(mesh.axis_names, mesh.mesh_shape))}")
     seed = set_determinism(job_config.debug.seed, job_config.debug.deterministic)
 
     # Tokenizer and data: each host loads its share of the global batch.
-    training = job_config.training
     tokenizer = build_tokenizer(job_config.model.tokenizer_path)
-    global_batch = training.local_batch_size * parallel_dims.dp_degree
     # Batches arrive on the mesh, sharded over the batch axes and prefetched in the background;
     # with several hosts each one holds only its slice of the batch dimension.
     data_loader = build_data_loader(
@@ -67,8 +75,11 @@ def main(job_config: JobConfig) -> list[StepStats]:
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
-                                vocab_size=tokenizer.n_words, max_seq_len=training.seq_len)
+                                vocab_size=tokenizer.n_words, max_seq_len=training.seq_len,
+                                **(model_overrides or {}))
     check_vocab_size(tokenizer, model_args.vocab_size)
+    parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
+                              model_args.ffn_hidden_dim)
     with torch.device("meta"):
         model = model_name_to_cls[job_config.model.name](model_args)
     num_params = model.num_params()
@@ -88,29 +99,61 @@ def main(job_config: JobConfig) -> list[StepStats]:
     lr_scheduler = build_lr_scheduler(optimizer, job_config)
     torch_xla.sync()
 
+    # Checkpoints: resume from the newest usable one; otherwise start from initial weights if given.
+    train_state = TrainState()
+    checkpoint = CheckpointManager(
+        job_config, model=model, model_args=model_args, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, data_loader=data_loader, train_state=train_state,
+        host_rank=host_rank, host_count=host_count)
+    if job_config.checkpoint.create_seed_checkpoint:
+        checkpoint.save(0, model_only=True)
+        logger.info("Seed checkpoint written; exiting")
+        return []
+    if not checkpoint.load() and job_config.checkpoint.initial_load_path:
+        checkpoint.load_initial_weights(mesh)
+
     # Inputs are all checked by now: only from here on does the run write anything.
     dump_folder = Path(job_config.job.dump_folder)
     dump_folder.mkdir(parents=True, exist_ok=True)
     (dump_folder / "config.toml").write_text(job_config.to_toml())
+    checkpoint.install_preemption_handler()
 
-    metric_logger = MetricLogger(
-        flops_per_token=flops_per_token, tokens_per_step=global_batch * training.seq_len,
-        num_devices=parallel_dims.world_size, color=job_config.metrics.enable_color_printing)
+    metric_logger = build_metric_logger(
+        job_config, flops_per_token=flops_per_token,
+        tokens_per_step=global_batch * training.seq_len, num_devices=parallel_dims.world_size,
+        dp_degree=parallel_dims.dp_degree, host_rank=host_rank, device=device)
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
+
+    def microbatches(t: torch.Tensor) -> list[torch.Tensor]:
+        """Split the step's batch for gradient accumulation so that every microbatch still spans
+        all data-parallel ranks: [dp x accumulation x local, seq] -> accumulation x [dp x local, seq]."""
+        if accumulation_steps == 1:
+            return [t]
+        t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
+        return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
 
     def train_step(inputs: torch.Tensor, labels: torch.Tensor):
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-        loss.backward()
+        loss, rank_token_losses = 0.0, []
+        for mb_inputs, mb_labels in zip(microbatches(inputs), microbatches(labels)):
+            with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
+                logits = model(mb_inputs)
+            token_losses = F.cross_entropy(logits.flatten(0, 1).float(), mb_labels.flatten(0, 1),
+                                           reduction="none")
+            mb_loss = token_losses.mean()
+            (mb_loss / accumulation_steps).backward()
+            loss = loss + mb_loss.detach() / accumulation_steps
+            # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
+            rank_token_losses.append(token_losses.detach().view(parallel_dims.dp_degree, -1))
         if training.max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
         else:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
         optimizer.step()
-        return loss.detach(), grad_norm.detach()
+        # Everything the log line needs from the device, as one tensor: one transfer per log step.
+        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), parallel_dims.dp_degree)
+        return torch.stack([loss, grad_norm.detach(), max_loss])
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break.
@@ -118,38 +161,57 @@ def main(job_config: JobConfig) -> list[StepStats]:
 
     gc_handler = GarbageCollection(training.gc_freq)
     data_iterator = iter(data_loader)
-    warmup_steps = 2  # step 1 compiles; any compile after step 2 is a bug
+    first_step = train_state.step + 1
+    warmup_end = first_step + 1  # the first step compiles; any compile after the second is a bug
     compiles_after_warmup = None
     history: list[StepStats] = []
-    logger.info(f"Training {training.steps} steps, global batch {global_batch} x {training.seq_len} "
-                f"tokens, seed {seed}")
-    metric_logger.reset_timer(0)
-    for step in range(1, training.steps + 1):
-        gc_handler.run(step)
-        data_start = time.perf_counter()
-        inputs, labels = next(data_iterator)
-        metric_logger.add_data_wait(time.perf_counter() - data_start)
-        loss, grad_norm = compiled_step(inputs, labels)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
+    logger.info(f"Training steps {first_step}..{training.steps}, global batch {global_batch} x "
+                f"{training.seq_len} tokens ({accumulation_steps} accumulation step(s)), seed {seed}")
+    metric_logger.reset_timer(train_state.step)
+    with maybe_enable_profiling(job_config) as profiler:
+        for step in range(first_step, training.steps + 1):
+            if profiler is not None:
+                profiler.step(step)
+            gc_handler.run(step)
+            data_start = time.perf_counter()
+            inputs, labels = next(data_iterator)
+            metric_logger.add_data_wait(time.perf_counter() - data_start)
+            step_stats = compiled_step(inputs, labels)
+            lr = lr_scheduler.get_last_lr()[0]
+            lr_scheduler.step()
 
-        compiles, _ = compile_stats()
-        if step == warmup_steps:
-            compiles_after_warmup = compiles
-        elif compiles_after_warmup is not None and compiles > compiles_after_warmup:
-            message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} compiles, "
-                       f"{compiles_after_warmup} at step {warmup_steps}); run with "
-                       f"PT_XLA_DEBUG_LEVEL=1 to see why")
-            if job_config.debug.on_recompile == "error":
-                raise RuntimeError(message)
-            logger.warning(message)
-            compiles_after_warmup = compiles
+            compiles, _ = compile_stats()
+            if step == warmup_end:
+                compiles_after_warmup = compiles
+            elif compiles_after_warmup is not None and compiles > compiles_after_warmup:
+                message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} "
+                           f"compiles, {compiles_after_warmup} at step {warmup_end}); run with "
+                           f"PT_XLA_DEBUG_LEVEL=1 to see why")
+                if job_config.debug.on_recompile == "error":
+                    raise RuntimeError(message)
+                logger.warning(message)
+                compiles_after_warmup = compiles
 
-        if step == 1 or step % job_config.metrics.log_freq == 0 or step == training.steps:
-            # The one host transfer per log step; it waits for this step to finish.
-            history.append(metric_logger.log(step, loss.item(), grad_norm.item(), lr))
+            if step == first_step or step % job_config.metrics.log_freq == 0 or step == training.steps:
+                # The one host transfer per log step; it waits for this step to finish.
+                loss, grad_norm, max_loss = step_stats.tolist()
+                history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss))
 
+            train_state.step = step
+            if checkpoint.should_save(step, training.steps):
+                last = step == training.steps
+                checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
+                if compiles_after_warmup is not None:  # saving compiles small transfer graphs
+                    compiles_after_warmup = compile_stats()[0]
+            if checkpoint.preempted:
+                logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
+                break
+    metric_logger.close()
     data_loader.close()
+
+    checkpoint.close()
+    if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:
+        checkpoint.export_hf(train_state.step, tokenizer)
     logger.info(f"Training completed: {compile_stats()[0]} XLA compiles in total")
     return history
 

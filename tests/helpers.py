@@ -77,3 +77,76 @@ def train_losses(args: list[str], *, devices: int = 1, env: dict[str, str | None
         raise AssertionError(f"training failed ({p.returncode}):\n{p.stderr[-4000:]}")
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("LOSSES "))
     return {int(k): v for k, v in json.loads(line[len("LOSSES "):]).items()}
+
+
+_MULTI_DRIVER = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import torch, torch_xla
+import torch_xla.distributed.spmd as xs
+import train
+import torchtitan_xla.optimizer as optimizer_module
+import torchtitan_xla.parallelisms as parallelisms_module
+from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.utils import compile_stats
+
+captured = {{}}
+real_parallelize, real_build_optimizer = parallelisms_module.parallelize_llama, optimizer_module.build_optimizer
+
+def parallelize(model, mesh, parallel_dims, job_config):
+    captured.update(model=model, mesh=mesh)
+    return real_parallelize(model, mesh, parallel_dims, job_config)
+
+def build_optimizer(model, job_config):
+    captured["optimizer"] = real_build_optimizer(model, job_config)
+    return captured["optimizer"]
+
+parallelisms_module.parallelize_llama, optimizer_module.build_optimizer = parallelize, build_optimizer
+
+def spec(t):
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+def expected(shape, partition_spec):
+    # The sharding XLA reports for a fresh tensor annotated with this partition spec.
+    t = torch.zeros(shape, device=torch_xla.device())
+    if any(a is not None for a in partition_spec):
+        xs.mark_sharding(t, captured["mesh"], partition_spec)
+    torch_xla.sync()
+    return spec(t)
+
+results = {{}}
+model_overrides = json.loads(sys.argv[2])
+for name, args in json.loads(sys.argv[1]).items():
+    before = compile_stats()[0]
+    history = train.main(parse_args(args), model_overrides=model_overrides)
+    compiles = compile_stats()[0] - before
+    model, opt = captured["model"], captured["optimizer"]
+    params = {{}}
+    for pname, p in model.named_parameters():
+        ps = getattr(p, "_partition_spec", (None,) * p.dim())
+        state = opt.state[p]
+        params[pname] = dict(partition_spec=[list(a) if isinstance(a, tuple) else a for a in ps],
+                             actual=spec(p), expected=expected(p.shape, ps),
+                             exp_avg=spec(state["exp_avg"]), exp_avg_sq=spec(state["exp_avg_sq"]))
+    results[name] = dict(losses={{s.step: s.loss for s in history}},
+                         compiles=compiles, params=params)
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dict | None = None,
+               timeout: int = 900) -> dict:
+    """Several train.main runs in one fresh process with `devices` devices (saves start-up time).
+    For each: logged losses, compiles during the run, and for every parameter its partition spec,
+    the sharding XLA reports for it and for its Adam state, and the sharding a fresh tensor with
+    that partition spec gets."""
+    p = subprocess.run([sys.executable, "-c", _MULTI_DRIVER.format(repo=str(REPO)), json.dumps(runs),
+                        json.dumps(model_overrides or {})],
+                       capture_output=True, text=True, env=_env(devices, None), timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"training failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS "):])
+    for r in results.values():
+        r["losses"] = {int(k): v for k, v in r["losses"].items()}
+    return results

@@ -4,7 +4,6 @@ reproducible, and a recompile after warm-up is caught."""
 import logging
 
 import pytest
-
 from helpers import REPO, run_train, tiny_args, train_losses
 
 import torchtitan_xla.optimizer

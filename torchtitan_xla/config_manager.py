@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,9 +47,11 @@ def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = 
 @dataclass
 class Job:
     config_file: str = opt("", "TOML file to read; command-line flags override its values.")
-    dump_folder: str = opt("./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints).")
+    dump_folder: str = opt(
+        "./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints).")
     description: str = opt("default job", "Free text describing the job; printed at start.")
-    print_config: bool = opt(True, "Print the effective config at start (it is always saved to <dump_folder>/config.toml).")
+    print_config: bool = opt(
+        True, "Print the effective config at start (it is always saved to <dump_folder>/config.toml).")
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "Steps of linear warmup from lr/(warmup_steps+1) to lr.", ge=0)
-    decay_ratio: Optional[float] = opt(
+    decay_ratio: float | None = opt(
         None,
         "Fraction of the steps spent decaying at the end (warmup-stable-decay). "
         "Unset: decay over all steps after warmup.", ge=0, le=1)
@@ -103,7 +105,11 @@ class Training:
     num_workers: int = opt(
         0, "Tokenizing worker processes per host (0: a background thread of the training "
         "process). Resume needs the same value.", ge=0)
-    local_batch_size: int = opt(8, "Sequences per data-parallel rank per step.", gt=0)
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per forward/backward pass.", gt=0)
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all data-parallel ranks; a multiple of "
+        "local_batch_size x data-parallel degree, the ratio being gradient-accumulation steps. "
+        "-1: local_batch_size x data-parallel degree (no accumulation).")
     seq_len: int = opt(2048, "Tokens per sequence.", gt=0)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).", ge=0)
     steps: int = opt(10000, "Training steps.", gt=0)
@@ -119,7 +125,63 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(
         -1, "FSDP dimension: parameters, gradients and optimizer state are sharded over it. "
         "-1: all devices not used by the other degrees.")
-    tensor_parallel_degree: int = opt(1, "Tensor (Megatron) parallel degree.", gt=0)
+    tensor_parallel_degree: int = opt(
+        1, "Tensor (Megatron) parallel degree, with sequence parallelism between blocks.", gt=0)
+    num_slices: int = opt(
+        1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
+        "data_parallel_replicate_degree must be a multiple of it.", gt=0)
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints, and resume from the newest one at start.")
+    folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder; holds step-<N> folders.")
+    interval: int = opt(500, "Save every this many steps (and after the last step).", gt=0)
+    async_mode: Literal["disabled", "async"] = opt(
+        "disabled", "async: copy the state to host memory, then write it in the background while "
+        "training continues.")
+    keep_latest_k: int = opt(
+        10, "Keep this many newest checkpoints (0: all). Old ones are deleted only after a newer "
+        "one is complete.", ge=0)
+    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the newest usable one.", ge=-1)
+    last_save_model_only: bool = opt(
+        False, "Make the save after the last step model weights only (for export), in export_dtype.")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "dtype of model-only saves and of the HuggingFace export.")
+    exclude_from_loading: list[str] = opt(
+        [], "Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, "
+        "train_state.")
+    on_damaged: Literal["fallback", "error"] = opt(
+        "fallback", "A checkpoint that fails to load: fall back to the previous one, or stop.")
+    initial_load_path: str = opt(
+        "", "With no checkpoint to resume from, start from these weights: a checkpoint step folder, "
+        "or a HuggingFace Llama folder (with initial_load_in_hf).")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a HuggingFace safetensors folder.")
+    last_save_in_hf: bool = opt(
+        False, "After the last step also export HuggingFace safetensors + config.json to "
+        "<folder>/step-<N>-hf.")
+    create_seed_checkpoint: bool = opt(
+        False, "Initialise the model, save it as step-0 (weights only) and exit: every run of an "
+        "experiment can then start from identical weights.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = opt(
+        "selective", "Recompute activations in the backward pass instead of keeping them: none, "
+        "full (every block), or selective (see selective_ac_option).")
+    selective_ac_option: str = opt(
+        "2", "For mode selective: an integer N checkpoints every N-th block; 'op' keeps the "
+        "outputs of the weight matmuls and recomputes everything else (norms, RoPE, attention "
+        "scores, activations).")
+
+
+@dataclass
+class Compile:
+    scan_layers: bool = opt(
+        False, "Run the blocks as one XLA while loop over stacked weights (torch_xla scan_layers): "
+        "compile time stops growing with depth. With scan, activation_checkpoint mode must be "
+        "'none' or selective 'op' (done by the min-cut partitioner).")
 
 
 @dataclass
@@ -128,12 +190,31 @@ class Metrics:
     enable_color_printing: bool = opt(True, "Colour the console line (only when printing to a terminal).")
     enable_tensorboard: bool = opt(False, "Write TensorBoard event files.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, inside dump_folder.")
-    rank_0_only: bool = opt(True, "On multi-host runs, only process 0 logs metrics.")
+    rank_0_only: bool = opt(
+        True, "On multi-host runs, only host 0 prints the step line and writes TensorBoard; "
+        "false: every host does, each into <save_tb_folder>/<time>/rank_<host>.")
+    peak_flops: float | None = opt(
+        None, "Peak FLOP/s of one device, for MFU. Unset: the bf16 peak of the TPU generation "
+        "(v4, v5e, v5p, v6e, v7); on other devices MFU is n/a.", gt=0)
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(
+        False, "Write XLA profiler traces (TensorBoard's profile plugin reads them).")
+    save_traces_folder: str = opt(
+        "profile_traces",
+        "Trace folder, inside dump_folder; one iteration_<step> subfolder per trace.")
+    profile_freq: int = opt(10, "Trace the steps ending at every multiple of this step.", gt=0)
+    profiler_active: int = opt(1, "Steps per trace (at most profile_freq).", gt=0)
+    save_xla_metrics_report: bool = opt(
+        False, "When the run ends (or fails), write torch_xla's metrics report (compiles, "
+        "transfers, executions, CPU fallbacks) to <dump_folder>/xla_metrics_report.txt.")
 
 
 @dataclass
 class Debug:
-    seed: Optional[int] = opt(None, "Seed for parameter init and data order; unset: a fixed default.")
+    seed: int | None = opt(None, "Seed for parameter init and data order; unset: a fixed default.")
     deterministic: bool = opt(False, "Use deterministic algorithms only (same config, same losses).")
     on_recompile: Literal["error", "warn"] = opt(
         "error", "What a graph compile after warm-up (step 2) does: stop the run, or log a warning.")
@@ -147,7 +228,11 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -356,7 +441,8 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     while i < len(argv):
         tok = argv[i]
         if not tok.startswith("--"):
-            raise ConfigError(f"command line: unexpected argument {tok!r} (options look like --section.key value)")
+            raise ConfigError(
+                f"command line: unexpected argument {tok!r} (options look like --section.key value)")
         name, eq, inline = tok[2:].partition("=")
         section, dot, key = name.partition(".")
         key = key.replace("-", "_")
@@ -403,11 +489,40 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
             problem = _check_bounds(getattr(section, key), f)
             if problem:
                 raise ConfigError(f"{sources.describe(sname, key)} = {getattr(section, key)!r}: {problem}")
+    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    for part in cfg.checkpoint.exclude_from_loading:
+        if part not in parts:
+            raise ConfigError(
+                f"{sources.describe('checkpoint', 'exclude_from_loading')}: unknown part {part!r}; "
+                f"expected any of {', '.join(sorted(parts))}")
+    ac = cfg.activation_checkpoint
+    if ac.selective_ac_option != "op" and not (ac.selective_ac_option.isdigit()
+                                               and int(ac.selective_ac_option) > 0):
+        raise ConfigError(
+            f"{sources.describe('activation_checkpoint', 'selective_ac_option')} = "
+            f"{ac.selective_ac_option!r}: expected 'op' or a positive integer N (every N-th block)")
+    if cfg.compile.scan_layers and not (
+            ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option == "op")):
+        raise ConfigError(
+            f"{sources.describe('compile', 'scan_layers')} = true cannot be combined with "
+            f"[activation_checkpoint] mode = {ac.mode!r}"
+            + (f", selective_ac_option = {ac.selective_ac_option!r}" if ac.mode == "selective" else "")
+            + ": under scan use mode 'none' or selective 'op'")
+    if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
+        raise ConfigError(
+            f"{sources.describe('training', 'global_batch_size')} = "
+            f"{cfg.training.global_batch_size}: must be -1 (no accumulation) or > 0")
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError(
             f"{sources.describe('parallelism', 'data_parallel_shard_degree')} = "
             f"{p.data_parallel_shard_degree}: must be -1 (all remaining devices) or > 0")
+    prof = cfg.profiling
+    if prof.profiler_active > prof.profile_freq:
+        raise ConfigError(
+            f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
+            f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
+            f"before the next starts")
     from torchtitan_xla.models import flavors_of  # torch-free registry of names
 
     known = flavors_of(cfg.model.name)

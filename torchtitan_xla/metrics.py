@@ -1,14 +1,28 @@
-"""What the run reports every `log_freq` steps: the console line (and, later, TensorBoard)."""
+"""What the run reports every `log_freq` steps: one console line and TensorBoard scalars.
+
+Every number is computed on the host from values the training loop already has (the step's
+loss / grad-norm tensor, read back once per log step, wall-clock times, the runtime's counters), so
+logging adds no graph, no recompile and no host sync of its own. docs/metrics.md says what each
+number means and how it is computed.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.model import ModelArgs
 from torchtitan_xla.utils import compile_stats, host_memory_gib
+
+if TYPE_CHECKING:
+    from torchtitan_xla.config_manager import JobConfig
 
 
 def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: int) -> int:
@@ -18,32 +32,211 @@ def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: 
     return 6 * num_params_no_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
+def max_rank_loss(token_losses, dp_degree: int):
+    """The largest of the data-parallel ranks' mean losses, inside the compiled step.
+
+    `token_losses` is (global batch, seq); the batch dimension is split into `dp_degree` contiguous
+    blocks, one per data-parallel rank (the batch sharding over ("dp_replicate", "fsdp")). Every
+    token counts, as in the training loss (which has no ignore_index).
+    """
+    return token_losses.reshape(dp_degree, -1).mean(1).max()
+
+
+# --------------------------------------------------------------------------------------------
+# Peak FLOP/s
+# --------------------------------------------------------------------------------------------
+
+# Dense bf16 FLOP/s per device, torchtitan's table. A TPU7x chip shows up as two devices, so its
+# per-chip peak is halved (torchtitan's convention too).
+PEAK_BF16_FLOPS = {
+    "v4": 275e12,
+    "v5e": 197e12,
+    "v5p": 459e12,
+    "v6e": 918e12,
+    "v7": 2307e12 / 2,
+}
+
+
+def tpu_generation(kind: str) -> str | None:
+    """The `PEAK_BF16_FLOPS` key for any name a TPU generation goes by: a PJRT device kind
+    ("TPU v5 lite", "TPU v6 lite", "TPU7x") or an accelerator type ("v5litepod-16", "v5p-8",
+    "v6e-8", "tpu7x-8"); None when it is not one of the table's generations."""
+    name = kind.lower().replace(" ", "").split("-")[0].removeprefix("tpu")
+    m = re.fullmatch(r"v?(\d)([a-z]*)", name)
+    if not m:
+        return None
+    generation, variant = m.groups()
+    return {
+        ("4", ""): "v4",
+        ("5", "lite"): "v5e", ("5", "litepod"): "v5e", ("5", "e"): "v5e",
+        ("5", ""): "v5p", ("5", "p"): "v5p",
+        ("6", "lite"): "v6e", ("6", "e"): "v6e",
+        ("7", ""): "v7", ("7", "x"): "v7",
+    }.get((generation, variant))
+
+
+def detect_device_kind() -> str:
+    """What the device is, as precisely as the runtime tells: "CPU", or for TPUs the accelerator
+    type ("v5p-128"); "TPU" if even that is unknown.
+
+    Under SPMD torch_xla 2.9 answers device-kind questions (`xm.xla_device_kind()`) about the
+    virtual SPMD device and fails, so the TPU generation comes from the accelerator type the TPU VM
+    metadata (or GKE's TPU_ACCELERATOR_TYPE) declares. Not verified on TPU.
+    """
+    import torch_xla.runtime as xr
+
+    device_type = xr.device_type()
+    if device_type != "TPU":
+        return device_type
+    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")
+    if not accelerator:
+        try:
+            from torch_xla._internal import tpu
+
+            accelerator = tpu.get_tpu_type()
+        except Exception as e:  # no metadata server: MFU falls back to n/a below
+            logger.debug(f"TPU accelerator type unknown: {e}")
+    return accelerator or "TPU"
+
+
+def resolve_peak_flops(device_kind: str, override: float | None, *,
+                       float8: bool = False) -> tuple[float | None, str]:
+    """(peak FLOP/s per device for MFU, where it comes from). None means MFU is shown as n/a.
+
+    `override` (`metrics.peak_flops`) always wins. `float8` is the hook for float8 training: a
+    bf16 peak is the wrong yardstick for float8 matmuls, so MFU is n/a unless overridden.
+    """
+    if override is not None:
+        return override, f"metrics.peak_flops = {override:.4g}"
+    if float8:
+        return None, "float8 matmuls (set metrics.peak_flops to compare against a peak)"
+    generation = tpu_generation(device_kind)
+    if generation is None:
+        return None, f"no peak FLOP/s known for {device_kind!r} (set metrics.peak_flops)"
+    peak = PEAK_BF16_FLOPS[generation]
+    return peak, f"TPU {generation} bf16 peak {peak / 1e12:g} TFLOP/s per device"
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    used_gib: float
+    peak_gib: float  # since the process started
+    limit_gib: float | None
+    source: str  # "HBM" (device allocator) or "host RSS" (this process's resident memory)
+
+    def __str__(self) -> str:
+        limit = f"/{self.limit_gib:.2f}" if self.limit_gib else ""
+        return f"{self.used_gib:.2f}{limit}GiB({self.source}, peak {self.peak_gib:.2f})"
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard scalars; device and host memory get different names so no dashboard
+        ever plots one against the other."""
+        if self.source == "HBM":
+            out = {"memory/active(GiB)": self.used_gib, "memory/max_active(GiB)": self.peak_gib}
+            if self.limit_gib:
+                out["memory/max_active(%)"] = 100 * self.peak_gib / self.limit_gib
+            return out
+        return {"memory/host_rss(GiB)": self.used_gib, "memory/host_max_rss(GiB)": self.peak_gib}
+
+
+class MemoryMonitor:
+    """Device memory from `xm.get_memory_info` where the runtime provides it (TPU without SPMD);
+    otherwise this process's resident memory, labelled "host RSS".
+
+    The XLA CPU backend has no allocator statistics, and torch_xla 2.9 refuses them for the SPMD
+    virtual device that train.py always uses (pytorch/xla#9022), so today the line shows host RSS
+    everywhere. The first failure is logged once with its reason; the query is not retried.
+    """
+
+    def __init__(self, device=None):
+        self.device = device
+        self._device_ok = device is not None
+
+    def read(self) -> Memory:
+        if self._device_ok:
+            try:
+                import torch_xla.core.xla_model as xm
+
+                info = xm.get_memory_info(self.device)
+                return Memory(info["bytes_used"] / 2**30, info["peak_bytes_used"] / 2**30,
+                              info["bytes_limit"] / 2**30, "HBM")
+            except Exception as e:
+                self._device_ok = False
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                logger.info(f"memory: showing this process's host RSS; device memory statistics "
+                            f"are unavailable here ({reason})")
+        current, peak = host_memory_gib()
+        return Memory(current, peak, None, "host RSS")
+
+
+# --------------------------------------------------------------------------------------------
+# The logger
+# --------------------------------------------------------------------------------------------
+
+
 class _Colors:
-    def __init__(self, enabled: bool):
-        on = enabled and sys.stdout.isatty()
-        self.cyan, self.green, self.yellow, self.blue, self.reset = (
-            ("\033[36m", "\033[32m", "\033[33m", "\033[34m", "\033[39m") if on else ("",) * 5)
+    """ANSI colours, only when the log goes to a terminal and not under CI."""
+
+    def __init__(self, enabled: bool, stream=None):
+        stream = sys.stderr if stream is None else stream  # where init_logger's handler writes
+        on = enabled and stream.isatty() and not os.environ.get("CI")
+        self.cyan, self.green, self.yellow, self.blue, self.magenta, self.reset = (
+            ("\033[36m", "\033[32m", "\033[33m", "\033[34m", "\033[35m", "\033[39m") if on
+            else ("",) * 6)
 
 
 @dataclass
 class StepStats:
     step: int
-    loss: float
+    loss: float  # mean over every token of the global batch
+    max_loss: float  # largest per-data-parallel-rank mean loss (== loss with one rank)
     grad_norm: float
     lr: float
-    tokens_per_second: float
-    step_time: float
+    tokens_per_second: float  # per device
+    tflops: float  # achieved model TFLOP/s per device
+    mfu: float | None  # percent; None when no peak is known
+    step_time: float  # seconds per step, averaged since the previous log
     data_wait: float  # seconds per step spent waiting for the next batch
+    memory: Memory
+    eta_seconds: float
+
+
+def _eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
 
 
 class MetricLogger:
+    """Turns the values read back at a log step into the console line and TensorBoard scalars.
+
+    `enabled=False` (another host of a `rank_0_only` run) still returns the StepStats but prints
+    and writes nothing.
+    """
+
     def __init__(self, *, flops_per_token: int, tokens_per_step: int, num_devices: int,
-                 color: bool, peak_flops: float | None = None):
+                 color: bool, peak_flops: float | None = None, total_steps: int = 0,
+                 dp_degree: int = 1, tb_dir: Path | None = None, enabled: bool = True,
+                 memory: MemoryMonitor | None = None):
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
         self.num_devices = num_devices
         self.peak_flops = peak_flops
+        self.total_steps = total_steps
+        self.dp_degree = dp_degree
+        self.enabled = enabled
+        self.memory = memory or MemoryMonitor()
         self.colors = _Colors(color)
+        self.writer = None
+        if tb_dir is not None and enabled:
+            from torch.utils.tensorboard import SummaryWriter  # imported only when used (~2 s)
+
+            tb_dir.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=str(tb_dir))
+            logger.info(f"TensorBoard: writing to {tb_dir}")
         self._last_step = 0
         self._last_time = time.perf_counter()
         self._data_wait = 0.0
@@ -55,21 +248,92 @@ class MetricLogger:
         """Time the loop spent waiting for a batch since the last log."""
         self._data_wait += seconds
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> StepStats:
+    def log(self, step: int, loss: float, grad_norm: float, lr: float,
+            max_loss: float | None = None) -> StepStats:
         now = time.perf_counter()
-        steps = step - self._last_step
-        dt = (now - self._last_time) / max(steps, 1)
-        data_wait = self._data_wait / max(steps, 1)
+        steps = max(step - self._last_step, 1)
+        dt = (now - self._last_time) / steps
+        data_wait = self._data_wait / steps
         self.reset_timer(step)
         tps = self.tokens_per_step / dt / self.num_devices  # per device, as torchtitan reports
-        mfu = (f"{100 * self.flops_per_token * tps / self.peak_flops:.2f}%"
-               if self.peak_flops else "n/a")
-        mem, _ = host_memory_gib()
-        compiles, compile_s = compile_stats()
+        flops = self.flops_per_token * tps
+        mfu = 100 * flops / self.peak_flops if self.peak_flops else None
+        memory = self.memory.read()
+        eta = dt * max(self.total_steps - step, 0)
+        stats = StepStats(step=step, loss=loss, max_loss=loss if max_loss is None else max_loss,
+                          grad_norm=grad_norm, lr=lr, tokens_per_second=tps, tflops=flops / 1e12,
+                          mfu=mfu, step_time=dt, data_wait=data_wait, memory=memory,
+                          eta_seconds=eta)
+        if self.enabled:
+            self._print(stats)
+            if self.writer is not None:
+                self._write(stats)
+        return stats
+
+    def _print(self, s: StepStats) -> None:
         c = self.colors
+        compiles, compile_s = compile_stats()
+        loss = f"loss: {s.loss:8.4f}"
+        if self.dp_degree > 1:
+            loss += f" (max {s.max_loss:.4f})"
+        mfu = "n/a" if s.mfu is None else f"{s.mfu:.2f}%"
         logger.info(
-            f"{c.cyan}step: {step:>5}  {c.green}loss: {loss:8.4f}  {c.reset}grad_norm: {grad_norm:7.4f}  "
-            f"lr: {lr:.2e}  {c.blue}tps: {tps:,.0f}  mfu: {mfu}  {c.yellow}memory: {mem:.2f}GiB(host)  "
-            f"{c.reset}step_time: {dt:.3f}s  data_wait: {100 * data_wait / dt:.1f}%  "
-            f"compiles: {compiles} ({compile_s:.1f}s){c.reset}")
-        return StepStats(step, loss, grad_norm, lr, tps, dt, data_wait)
+            f"{c.cyan}step: {s.step:>5}  {c.green}{loss}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
+            f"lr: {s.lr:.2e}  {c.yellow}memory: {s.memory}  "
+            f"{c.blue}tps: {s.tokens_per_second:,.0f}  tflops: {s.tflops:.3g}  "
+            f"{c.magenta}mfu: {mfu}  {c.reset}step_time: {s.step_time:.3f}s  "
+            f"data_wait: {100 * s.data_wait / s.step_time:.1f}%  compiles: {compiles} "
+            f"({compile_s:.1f}s)  eta: {_eta(s.eta_seconds)}{c.reset}")
+
+    def _write(self, s: StepStats) -> None:
+        compiles, compile_s = compile_stats()
+        scalars = {
+            "loss_metrics/global_avg_loss": s.loss,
+            "loss_metrics/global_max_loss": s.max_loss,
+            "grad_norm": s.grad_norm,
+            "lr": s.lr,
+            "throughput(tps)": s.tokens_per_second,
+            "tflops": s.tflops,
+            "time_metrics/end_to_end(s)": s.step_time,
+            "time_metrics/data_loading(s)": s.data_wait,
+            "time_metrics/data_loading(%)": 100 * s.data_wait / s.step_time,
+            "xla/num_compiles": compiles,
+            "xla/compile_time(s)": compile_s,
+            **s.memory.scalars(),
+        }
+        if s.mfu is not None:  # no made-up number when the peak is unknown
+            scalars["mfu(%)"] = s.mfu
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, s.step)
+        self.writer.flush()  # a TensorBoard watching the run sees each log step at once
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def build_metric_logger(job_config: JobConfig, *, flops_per_token: int, tokens_per_step: int,
+                        num_devices: int, dp_degree: int, host_rank: int, device=None,
+                        float8: bool = False) -> MetricLogger:
+    """The run's MetricLogger: which host logs, where TensorBoard writes, which peak MFU uses."""
+    metrics = job_config.metrics
+    enabled = host_rank == 0 or not metrics.rank_0_only
+    tb_dir = None
+    if metrics.enable_tensorboard:
+        # One folder per launch, as torchtitan does: TensorBoard shows each launch as a run.
+        tb_dir = (Path(job_config.job.dump_folder) / metrics.save_tb_folder
+                  / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        if not metrics.rank_0_only:
+            tb_dir = tb_dir / f"rank_{host_rank}"
+    device_kind = detect_device_kind()
+    peak, source = resolve_peak_flops(device_kind, metrics.peak_flops, float8=float8)
+    if enabled:
+        if peak is None:
+            logger.warning(f"MFU: n/a, {source}")
+        else:
+            logger.info(f"MFU against {source}")
+    return MetricLogger(
+        flops_per_token=flops_per_token, tokens_per_step=tokens_per_step, num_devices=num_devices,
+        color=metrics.enable_color_printing, peak_flops=peak, total_steps=job_config.training.steps,
+        dp_degree=dp_degree, tb_dir=tb_dir, enabled=enabled, memory=MemoryMonitor(device))

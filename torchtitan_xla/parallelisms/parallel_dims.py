@@ -1,9 +1,11 @@
 """Parallel degrees, their validation, and the one named SPMD mesh they describe.
 
-Mesh axes, outermost first: `dp_replicate` (HSDP replicas; multi-slice runs put the slices here),
-`fsdp` (parameters sharded), `tp` (tensor parallel, innermost so a TP group is made of neighbouring
-devices). Every axis always exists, with size 1 when unused, so a partition spec means the same
-thing on every mesh.
+Mesh axes, outermost first: `dp_replicate` (HSDP replicas; in a multi-slice run the slices are the
+outer part of this axis, so only gradient all-reduces cross the slow DCN links), `fsdp` (parameters
+sharded), `tp` (tensor parallel, innermost so a TP group is made of neighbouring devices). Every axis
+always exists, with size 1 when unused, so a partition spec means the same thing on every mesh.
+
+All checks run before anything is compiled and each fails with one line naming the keys involved.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    num_slices: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, num_devices: int) -> ParallelDims:
         """Resolve `data_parallel_shard_degree = -1` and check the degrees fill the devices."""
         rep, shard, tp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
                           cfg.tensor_parallel_degree)
+        if rep % cfg.num_slices:
+            raise ConfigError(
+                f"[parallelism] data_parallel_replicate_degree ({rep}) must be a multiple of "
+                f"num_slices ({cfg.num_slices}): slices hold model replicas")
         fixed = rep * tp
         if shard == -1:
             if num_devices % fixed:
@@ -42,7 +49,7 @@ class ParallelDims:
                 f"[parallelism] data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree "
                 f"({shard}) x tensor_parallel_degree ({tp}) = {rep * shard * tp}, but there are "
                 f"{num_devices} devices")
-        return cls(dp_replicate=rep, dp_shard=shard, tp=tp)
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, num_slices=cfg.num_slices)
 
     @property
     def world_size(self) -> int:
@@ -57,7 +64,46 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[int, int, int]:
         return (self.dp_replicate, self.dp_shard, self.tp)
 
-    def build_mesh(self):
+    def check_model(self, n_heads: int, n_kv_heads: int, dim: int, ffn_hidden_dim: int) -> None:
+        """Tensor parallelism splits heads and hidden sizes evenly over `tp` devices."""
+        for what, size in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("dim", dim),
+                           ("FFN hidden size", ffn_hidden_dim)):
+            if size % self.tp:
+                raise ConfigError(
+                    f"[parallelism] tensor_parallel_degree ({self.tp}) must divide the model's "
+                    f"{what} ({size})")
+
+    def check_batch(self, global_batch: int, local_batch: int, seq_len: int, num_hosts: int) -> int:
+        """Validate the batch shape; returns the gradient-accumulation steps per optimizer step."""
+        per_step = local_batch * self.dp_degree
+        if global_batch % per_step:
+            raise ConfigError(
+                f"[training] global_batch_size ({global_batch}) must be a multiple of "
+                f"local_batch_size ({local_batch}) x data-parallel degree ({self.dp_degree}) = {per_step}")
+        if global_batch % num_hosts:
+            raise ConfigError(
+                f"[training] global_batch_size ({global_batch}) must divide evenly over the "
+                f"{num_hosts} hosts")
+        if self.tp > 1 and seq_len % self.tp:
+            raise ConfigError(
+                f"[training] seq_len ({seq_len}) must be a multiple of tensor_parallel_degree "
+                f"({self.tp}): sequence parallelism splits the sequence over the TP devices")
+        return global_batch // per_step
+
+    def build_mesh(self, device_type: str = "CPU"):
+        """The device mesh. On TPU, `HybridMesh` orders devices by the physical (ICI) topology and,
+        with several slices, puts the slices on the outer part of `dp_replicate`. Elsewhere an
+        ordinary mesh of the same logical shape, slices being consecutive blocks of devices."""
         import torch_xla.distributed.spmd as xs
 
+        if device_type == "TPU":
+            import torch_xla.runtime as xr
+
+            slices = {a.get("slice_index", 0) for a in xr.global_runtime_device_attributes()}
+            if len(slices) != self.num_slices:
+                raise ConfigError(f"[parallelism] num_slices is {self.num_slices}, but the TPU "
+                                  f"runtime sees {len(slices)} slice(s)")
+            dcn = (self.num_slices, 1, 1)
+            ici = (self.dp_replicate // self.num_slices, self.dp_shard, self.tp)
+            return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=MESH_AXES)
         return xs.Mesh(np.arange(self.world_size), self.mesh_shape, MESH_AXES)

@@ -1,20 +1,49 @@
 """Parallelism for the Llama model, applied from outside by module name as XLA SPMD shardings.
 
-Each `apply_*` does one thing to the same module; `parallelize_llama` calls them in order.
-Shardings are annotations on the (still lazy) parameters: XLA partitions the whole step graph
-from them and inserts the collectives.
+Each `apply_*` does one thing to the same module; `parallelize_llama` calls them in order:
+tensor parallel -> activation checkpointing -> FSDP -> scan. Shardings are annotations on the
+(still lazy) parameters and on activations at module boundaries; XLA partitions the whole step
+from them and inserts the collectives. Nothing here changes a parameter name.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import types
+
 import torch
 from torch import nn
 
-from torchtitan_xla.config_manager import JobConfig
+from torchtitan_xla.config_manager import ActivationCheckpoint, JobConfig
 from torchtitan_xla.logging import logger
-from torchtitan_xla.parallelisms.parallel_dims import ParallelDims
+from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
 
-Spec = tuple  # a partition spec: one mesh-axis name (or None) per tensor dimension
+Spec = tuple  # a partition spec: one mesh-axis name (or a tuple of names, or None) per dimension
+
+# Megatron layout by parameter name. Column-parallel layers split their output features over `tp`,
+# row-parallel layers their input features, so each attention / MLP block needs one reduction.
+TP_PLAN: dict[str, Spec] = {
+    # Hidden dim split, vocab left for FSDP. (The transpose, vocab over tp, gave NaN gradients in
+    # TorchPrime's torch_xla runs.)
+    "tok_embeddings.weight": (None, "tp"),
+    "layers.*.attention.wq.weight": ("tp", None),
+    "layers.*.attention.wk.weight": ("tp", None),
+    "layers.*.attention.wv.weight": ("tp", None),
+    "layers.*.attention.wo.weight": (None, "tp"),
+    "layers.*.feed_forward.w1.weight": ("tp", None),
+    "layers.*.feed_forward.w3.weight": ("tp", None),
+    "layers.*.feed_forward.w2.weight": (None, "tp"),
+    # Vocab-parallel logits: the loss is computed on vocab shards, never on full logits.
+    "output.weight": ("tp", None),
+}
+
+
+def tp_spec(name: str, ndim: int) -> Spec:
+    for pattern, spec in TP_PLAN.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return spec
+    return (None,) * ndim  # norms: replicated over tp
 
 
 def fsdp_spec(shape: torch.Size, base: Spec, degree: int) -> Spec:
@@ -27,6 +56,16 @@ def fsdp_spec(shape: torch.Size, base: Spec, degree: int) -> Spec:
         return base
     dim = max(candidates, key=lambda d: (shape[d], -d))
     return tuple("fsdp" if d == dim else a for d, a in enumerate(base))
+
+
+def param_specs(model: nn.Module, parallel_dims: ParallelDims) -> dict[str, Spec]:
+    """The spec of every parameter, computed from names and shapes only (works on meta tensors):
+    what apply_tp + apply_fsdp assign. Used by the memory estimate and the tests."""
+    specs = {}
+    for name, p in model.named_parameters():
+        base = tp_spec(name, p.dim()) if parallel_dims.tp > 1 else (None,) * p.dim()
+        specs[name] = fsdp_spec(p.shape, base, parallel_dims.dp_shard)
+    return specs
 
 
 def partition_spec(param: torch.Tensor) -> Spec:
@@ -43,11 +82,38 @@ def shard_param(param: torch.Tensor, mesh, spec: Spec) -> None:
     param._partition_spec = spec
 
 
+def _constrain(mesh, spec: Spec):
+    """A sharding constraint on an activation, and on its gradient in the backward pass."""
+    import torch_xla.distributed.spmd as xs
+
+    return lambda t: xs.mark_sharding_with_gradients(t, mesh, spec)
+
+
+def apply_tp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
+    """Megatron tensor parallelism with sequence parallelism.
+
+    Parameters follow TP_PLAN. Between blocks the residual stream is split along the sequence over
+    `tp` (norms and residual adds then run on sequence shards, and XLA turns the row-parallel
+    reductions into reduce-scatters); attention runs on head shards; logits stay vocab-sharded."""
+    for name, param in model.named_parameters():
+        shard_param(param, mesh, tp_spec(name, param.dim()))
+    seq_sharded = _constrain(mesh, (BATCH_AXES, "tp", None))  # [batch, seq, dim]
+    heads_sharded = _constrain(mesh, (BATCH_AXES, "tp", None, None))  # [batch, heads, seq, head_dim]
+    vocab_sharded = _constrain(mesh, (BATCH_AXES, None, "tp"))  # [batch, seq, vocab]
+    for block in model.layers.values():
+        block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
+        block.register_forward_hook(lambda m, args, out: seq_sharded(out))
+        block.attention.sdpa.register_forward_pre_hook(
+            lambda m, args: tuple(heads_sharded(t) for t in args))
+    model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
+
+
 def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
     """Per-parameter FSDP: shard every parameter over the `fsdp` axis, on top of its TP spec.
 
     Gradients and optimizer state take the parameter's sharding; XLA all-gathers each parameter
-    where it is used and reduce-scatters its gradient."""
+    where it is used and reduce-scatters its gradient. Over `dp_replicate` parameters are
+    replicated (HSDP). The batch is split over both data-parallel axes by the input sharding."""
     unsharded = []
     for name, param in model.named_parameters():
         base = partition_spec(param)
@@ -60,7 +126,125 @@ def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
                     f"{parallel_dims.dp_shard} and stay replicated: {', '.join(unsharded[:4])}...")
 
 
+# ---- activation checkpointing ----------------------------------------------------------------
+
+
+def _checkpoint_block(block: nn.Module) -> None:
+    """Full recompute: keep only the block's input, recompute its forward in the backward pass."""
+    from torch_xla.utils.checkpoint import checkpoint
+
+    original = block.forward  # a bound method: torch_xla's checkpoint also fences its weights
+    block.forward = lambda *args: checkpoint(original, *args)
+
+
+# Outputs kept by op-level selective checkpointing: the weight matmuls (Linear layers lower to
+# aten.mm). Norms, RoPE, attention scores and softmax, and the SwiGLU activation are recomputed;
+# like MaxText's "minimal" remat policy, so the S x S attention scores are never stored.
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_op_block(block: nn.Module) -> None:
+    """Op-level selective checkpointing with torch's selective-checkpoint policy API."""
+    import torch_xla.core.xla_model as xm
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    # torch's (non-reentrant) checkpoint looks up `torch.<device type>`, which torch_xla does not
+    # register; its own error message asks for torch._register_device_module. Only RNG state would
+    # be read from it, and we do not preserve RNG state (the model has no dropout).
+    if not hasattr(torch, "xla"):
+        torch._register_device_module("xla", types.ModuleType("torch.xla"))
+    original = block.forward
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
+
+    def forward(*args):
+        calls = 0
+
+        def run(*inner):
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                # The recomputation, inside the backward pass. Without a barrier XLA would see the
+                # same expressions as in the forward pass and merge them, silently undoing the
+                # checkpointing (torch_xla's own checkpoint fences its inputs the same way).
+                xm.optimization_barrier_([t for t in inner if isinstance(t, torch.Tensor)])
+            return original(*inner)
+
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
+                          context_fn=context_fn)
+
+    block.forward = forward
+
+
+def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
+    """Activation checkpointing per block: "full", "selective" every N-th block, or "selective"
+    op-level (keep matmul outputs, recompute the rest)."""
+    if cfg.mode == "none":
+        return
+    blocks = list(model.layers.values())
+    if cfg.mode == "full":
+        for block in blocks:
+            _checkpoint_block(block)
+    elif cfg.selective_ac_option == "op":
+        for block in blocks:
+            _selective_op_block(block)
+    else:
+        every = int(cfg.selective_ac_option)  # validated with the config
+        for i, block in enumerate(blocks):
+            if (i + 1) % every == 0:
+                _checkpoint_block(block)
+    logger.info(f"Activation checkpointing: {cfg.mode}"
+                + (f" ({cfg.selective_ac_option})" if cfg.mode == "selective" else ""))
+
+
+# ---- scan --------------------------------------------------------------------------------------
+
+
+class _CarryRope(nn.Module):
+    """Adapts a block to scan's carry convention: (h, cos, sin) in and out."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h, cos, sin):
+        return self.block(h, cos, sin), cos, sin
+
+
+def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
+    """Run the blocks as one XLA while loop over their stacked weights (torch_xla's scan_layers):
+    one block is traced and compiled whatever the depth. Activation checkpointing then happens
+    inside the scan through its partitioner: mode "none" saves everything; selective "op" uses the
+    min-cut rematerialisation partitioner (keeps matmul outputs, recomputes cheap ops). The config
+    rejects other modes with scan."""
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+    from torch_xla.experimental.scan_layers import scan_layers
+
+    partition_fn = default_partition if cfg.mode == "none" else min_cut_rematerialization_partition
+    # Created once: scan caches the traced block by the identity of the first one.
+    carriers = [_CarryRope(block) for block in model.layers.values()]
+
+    def forward(h, cos, sin):
+        h, _, _ = scan_layers(carriers, (h, cos, sin), partition_fn=partition_fn, is_layer_pure=True)
+        return h
+
+    model.layers.forward = forward
+    logger.info(f"Scanning {len(carriers)} blocks ({partition_fn.__name__})")
+
+
 def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
                       job_config: JobConfig) -> nn.Module:
+    if parallel_dims.tp > 1:
+        apply_tp(model, mesh, parallel_dims)
+    ac = job_config.activation_checkpoint
+    if not job_config.compile.scan_layers:  # under scan, the scan's partitioner does it
+        apply_ac(model, ac)
     apply_fsdp(model, mesh, parallel_dims)
+    if job_config.compile.scan_layers:
+        apply_scan(model, ac)
     return model

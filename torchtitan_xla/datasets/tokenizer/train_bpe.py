@@ -63,7 +63,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> dic
 def write_ranks(ranks: dict[bytes, int], path: Path) -> None:
     """Write a tiktoken rank file atomically (concurrent first runs cannot see a partial file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
+    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in by_rank]
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as fh:
         fh.writelines(lines)

@@ -194,6 +194,15 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.init_std)
 
 
+class Layers(nn.ModuleDict):
+    """The transformer blocks, keyed "0".."n-1" (names stay stable whatever wraps the blocks)."""
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for layer in self.values():
+            h = layer(h, cos, sin)
+        return h
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -201,8 +210,7 @@ class Transformer(nn.Module):
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # A dict keyed "0".."n-1" keeps parameter names stable whatever wraps the layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = Layers({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so not saved in checkpoints; (re)computed by init_weights().
@@ -214,9 +222,7 @@ class Transformer(nn.Module):
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
         seqlen = tokens.shape[1]
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        h = self.layers(self.tok_embeddings(tokens), cos, sin)
         return self.output(self.norm(h))
 
     @torch.no_grad()

@@ -1,0 +1,402 @@
+"""Distributed checkpoints that never lose a run.
+
+Layout (torchtitan's): `<dump_folder>/<checkpoint.folder>/step-<N>/`, a torch.distributed.checkpoint
+(DCP) directory written with torch_xla's SPMD planners, so every host writes only its own shards
+and a checkpoint loads onto any mesh (resharding). It holds the model, the optimizer, the LR
+schedule, each host's data-loader state, the train step and RNG states.
+
+Safety:
+- A checkpoint is written into `step-<N>.partial`, then a commit file (`COMMITTED`, listing every
+  file and its size) is written, then the folder is renamed to `step-<N>`. Only folders with a
+  commit file whose files are all present with the recorded sizes count as checkpoints, so a
+  process killed mid-save leaves the previous checkpoint as the newest one.
+- A checkpoint that fails to load is reported in one line naming it; the run falls back to the
+  previous one (or stops, with `on_damaged = "error"`). It never silently starts from scratch.
+- `keep_latest_k` deletes old checkpoints only after a newer one is committed.
+- SIGTERM (Cloud TPU preemption) finishes the current step, saves, and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan_xla.config_manager import ConfigError, JobConfig
+from torchtitan_xla.logging import logger
+
+COMMIT_FILE = "COMMITTED"
+MODEL_ARGS_FILE = "model_args.json"
+_PARTIAL = ".partial"
+
+
+@dataclass
+class TrainState:
+    """The loop's own state: the last completed step."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch_xla.core.xla_model as xm
+
+        return {"step": self.step, "torch_rng": torch.get_rng_state(), "xla_rng": xm.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        self.step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+        xm.set_rng_state(int(state["xla_rng"]))
+
+
+class DamagedCheckpoint(Exception):
+    pass
+
+
+def _writer(path: Path):
+    import torch.distributed.checkpoint as dcp
+
+    # per_thread_copy_ahead=0: the overlapping loader asks the device module for CUDA-style
+    # streams, which XLA tensors do not have (the state is on the host by then anyway).
+    return dcp.FileSystemWriter(str(path), per_thread_copy_ahead=0)
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def committed_steps(folder: Path) -> list[int]:
+    """Steps with a committed checkpoint folder, ascending (integrity is checked on load)."""
+    if not folder.is_dir():
+        return []
+    steps = [_step_of(p) for p in folder.iterdir() if (p / COMMIT_FILE).is_file()]
+    return sorted(s for s in steps if s is not None)
+
+
+def _write_commit(path: Path, step: int, contents: list[str]) -> None:
+    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+    record = {"step": step, "contents": contents, "files": files, "time": time.time()}
+    tmp = path / (COMMIT_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path / COMMIT_FILE)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The commit record, after checking every listed file exists with its recorded size."""
+    try:
+        record = json.loads((path / COMMIT_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(f"unreadable {COMMIT_FILE} ({e})") from None
+    for name, size in record["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise DamagedCheckpoint(f"missing file {name}")
+        if f.stat().st_size != size:
+            raise DamagedCheckpoint(f"{name} has {f.stat().st_size} bytes, {size} were written")
+    return record
+
+
+class CheckpointManager:
+    def __init__(self, job_config: JobConfig, *, model: torch.nn.Module, model_args, optimizer,
+                 lr_scheduler, data_loader, train_state: TrainState, host_rank: int = 0,
+                 host_count: int = 1, process_group=None):
+        self.cfg = job_config.checkpoint
+        self.model_args = model_args
+        self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
+        self.folder = Path(job_config.job.dump_folder) / self.cfg.folder
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.data_loader, self.train_state = data_loader, train_state
+        self.host_rank, self.host_count = host_rank, host_count
+        self.process_group = process_group
+        self._executor = ThreadPoolExecutor(max_workers=1) if self.cfg.async_mode == "async" else None
+        self._pending: Future | None = None
+        self._preempted = threading.Event()
+
+    # ---- what is saved ----------------------------------------------------------------------
+
+    def _states(self, model_only: bool) -> dict[str, Any]:
+        # keep_vars: the parameters themselves. A detached copy loses torch_xla's record of its
+        # sharding, and would be gathered whole and written by one host instead of shard-wise.
+        states: dict[str, Any] = {"model": self.model.state_dict(keep_vars=True)}
+        if model_only:
+            return states
+        states["optimizer"] = self.optimizer.state_dict()
+        states["lr_scheduler"] = self.lr_scheduler.state_dict()
+        states["train_state"] = self.train_state.state_dict()
+        # Each host saves its own loader state under its own key (hosts read different data),
+        # pickled: DCP stores it as bytes. The host count is checked on load.
+        states["dataloader"] = {
+            f"host_{self.host_rank}": pickle.dumps(self.data_loader.state_dict()),
+            "host_count": self.host_count}
+        return states
+
+    # ---- saving -----------------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        if not self.cfg.enable:
+            return False
+        return step % self.cfg.interval == 0 or step == last_step or self._preempted.is_set()
+
+    def save(self, step: int, *, model_only: bool = False) -> float:
+        """Save the state after `step` (only the weights, in export_dtype, with `model_only`);
+        returns the seconds the training loop was blocked."""
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        start = time.perf_counter()
+        self.wait()  # one save at a time; time spent here counts as blocked
+        states = self._states(model_only)
+        if model_only and self.cfg.export_dtype != "float32":
+            dtype = getattr(torch, self.cfg.export_dtype)
+            states["model"] = {k: v.to(dtype) for k, v in states["model"].items()}
+        torch_xla.sync()
+        xm.wait_device_ops()
+        # Copy this host's shards to host memory in one batch (torch_xla's helper for async
+        # checkpointing); writing then needs no device access, in the foreground or background.
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+        staged = _sharded_cpu_state_dict(states)
+        if self._executor is None:
+            self._write(step, staged, model_only)
+        else:
+            self._pending = self._executor.submit(self._write, step, staged, model_only)
+        blocked = time.perf_counter() - start
+        logger.info(f"Checkpoint step-{step}: {'staged' if self._executor else 'saved'}"
+                    f"{' (model only)' if model_only else ''}, loop blocked {blocked:.2f}s")
+        return blocked
+
+    def _write(self, step: int, states: dict[str, Any], model_only: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        import torch_xla.experimental.distributed_checkpoint as xc
+
+        final = self.folder / f"step-{step}"
+        partial = self.folder / f"step-{step}{_PARTIAL}"
+        if self.host_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a process killed mid-save
+            partial.mkdir(parents=True)
+        self._barrier()
+        dcp.save(states, storage_writer=_writer(partial),
+                 planner=xc.SPMDSavePlanner(), process_group=self.process_group)
+        if self.host_rank == 0:
+            # What the weights are, so converters need neither the config nor the tokenizer.
+            from torchtitan_xla.hf_checkpoint import model_args_to_json
+
+            (partial / MODEL_ARGS_FILE).write_text(model_args_to_json(self.model_args))
+            _write_commit(partial, step, sorted(states))
+            if final.exists():  # an older save of the same step (e.g. a re-run)
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            self._purge()
+        self._barrier()
+
+    def export_hf(self, step: int, tokenizer) -> Path | None:
+        """HuggingFace safetensors + config.json of the current weights, in export_dtype."""
+        from torchtitan_xla.hf_checkpoint import export_hf, gather_state_dict
+
+        if self.host_count > 1:
+            logger.warning("last_save_in_hf: with several hosts, convert the saved checkpoint with "
+                           "scripts/convert_to_hf.py instead (one host cannot gather every shard)")
+            return None
+        out = self.folder / f"step-{step}-hf"
+        export_hf(gather_state_dict(self.model), self.model_args, out,
+                  dtype=getattr(torch, self.cfg.export_dtype), bos_id=tokenizer.bos_id,
+                  eos_id=tokenizer.eos_id)
+        logger.info(f"HuggingFace export written to {out}")
+        return out
+
+    def _purge(self) -> None:
+        k = self.cfg.keep_latest_k
+        steps = committed_steps(self.folder)
+        if k > 0 and len(steps) > k:
+            for old in steps[:-k]:  # the newest (just committed) always stays
+                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save is on disk (re-raising its error)."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    def _barrier(self) -> None:
+        if self.host_count > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.process_group)
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    def load(self) -> bool:
+        """Resume from the newest usable checkpoint (or `load_step`); False if there is none."""
+        steps = committed_steps(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                raise ConfigError(f"[checkpoint] load_step = {self.cfg.load_step}: no committed "
+                                  f"checkpoint step-{self.cfg.load_step} in {self.folder}")
+            steps = [self.cfg.load_step]
+        for step in reversed(steps):
+            path = self.folder / f"step-{step}"
+            try:
+                self._load(path)
+            except DamagedCheckpoint as e:
+                older = [s for s in steps if s < step]
+                if self.cfg.on_damaged == "error" or not older:
+                    raise ConfigError(f"checkpoint {path} is damaged: {e}"
+                                      + ("" if older else "; no older checkpoint to fall back to")) from None
+                logger.error(f"checkpoint {path} is damaged: {e}; falling back to step-{older[-1]}")
+                continue
+            logger.info(f"Resumed from {path} (step {self.train_state.step})")
+            return True
+        return False
+
+    def _load(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        import torch_xla.experimental.distributed_checkpoint as xc
+
+        record = verify(path)
+        contents = set(record["contents"])
+        exclude = set(self.cfg.exclude_from_loading)
+        model_only = contents == {"model"}
+        states = self._states(model_only=model_only)
+        for key in exclude:
+            states.pop(key, None)
+        try:
+            with torch.no_grad():  # loads in place into the (sharded) parameters and states
+                dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
+                         planner=xc.SPMDLoadPlanner(), process_group=self.process_group)
+        except Exception as e:  # DCP reports a truncated or inconsistent file in many ways
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DamagedCheckpoint(f"{type(e).__name__}: {first}"[:300]) from None
+        self.model.load_state_dict(states["model"])
+        if model_only:
+            # A seed or exported checkpoint: weights only, training starts at its step.
+            self.train_state.step = record["step"]
+            return
+        if "optimizer" in states:
+            self.optimizer.load_state_dict(states["optimizer"])
+        if "lr_scheduler" in states:
+            self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        if "train_state" in states:
+            self.train_state.load_state_dict(states["train_state"])
+        else:
+            self.train_state.step = record["step"]
+        if "dataloader" in states:
+            saved_hosts = states["dataloader"]["host_count"]
+            if saved_hosts != self.host_count:
+                raise ConfigError(
+                    f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
+                    f"this run has {self.host_count}; add dataloader to "
+                    f"[checkpoint] exclude_from_loading to restart the data from the beginning")
+            self.data_loader.load_state_dict(pickle.loads(states["dataloader"][f"host_{self.host_rank}"]))
+
+    def load_initial_weights(self, mesh) -> None:
+        """Fine-tuning start: weights from `initial_load_path` (HF folder or a checkpoint step)."""
+        import torch.distributed.checkpoint as dcp
+        import torch_xla.experimental.distributed_checkpoint as xc
+
+        from torchtitan_xla.hf_checkpoint import load_hf_into_model
+
+        path = Path(self.cfg.initial_load_path)
+        if not path.is_dir():
+            raise ConfigError(f"[checkpoint] initial_load_path: not a folder: {path}")
+        if self.cfg.initial_load_in_hf:
+            load_hf_into_model(self.model, self.model_args, path, mesh)
+        else:
+            try:
+                verify(path)
+                states = {"model": self.model.state_dict(keep_vars=True)}
+                with torch.no_grad():
+                    dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
+                             planner=xc.SPMDLoadPlanner(), process_group=self.process_group)
+            except DamagedCheckpoint as e:
+                raise ConfigError(
+                    f"[checkpoint] initial_load_path: {path} is not a usable checkpoint: {e}") from None
+            self.model.load_state_dict(states["model"])
+        kind = " (HuggingFace)" if self.cfg.initial_load_in_hf else ""
+        logger.info(f"Initial weights loaded from {path}{kind}")
+
+    # ---- preemption -------------------------------------------------------------------------
+
+    def install_preemption_handler(self) -> None:
+        """On SIGTERM: finish the step, save, exit 0 (see `preempted`)."""
+        if not self.cfg.enable:
+            return
+
+        def on_sigterm(signum, frame):
+            logger.warning("SIGTERM received: saving a checkpoint after this step, then exiting")
+            self._preempted.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    @property
+    def preempted(self) -> bool:
+        """True once any host got SIGTERM. Hosts agree on it every step (they may receive the
+        signal during different steps, and must all save the same one)."""
+        flag = self._preempted.is_set()
+        if self.host_count > 1 and self.cfg.enable:
+            import torch.distributed as dist
+
+            t = torch.tensor([int(flag)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            flag = bool(t.item())
+            if flag:
+                self._preempted.set()
+        return flag
+
+
+def read_model_state(step_dir: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """(full model tensors on the host, ModelArgs) of a checkpoint step folder, with plain DCP on
+    the CPU: no XLA device or process group needed (used by the conversion scripts)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_xla.hf_checkpoint import model_args_from_json
+
+    path = Path(step_dir)
+    try:
+        verify(path)
+    except DamagedCheckpoint as e:
+        raise ConfigError(f"checkpoint {path}: {e}") from None
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    states = {"model": {}}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model."):
+            states["model"][key[len("model."):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return states["model"], model_args_from_json((path / MODEL_ARGS_FILE).read_text())
+
+
+def write_model_checkpoint(state_dict: dict[str, torch.Tensor], args, step_dir: str | Path,
+                           step: int = 0) -> None:
+    """A weights-only checkpoint step folder from host tensors (seed / converted checkpoints)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_xla.hf_checkpoint import model_args_to_json
+
+    final = Path(step_dir)
+    partial = final.with_name(final.name + _PARTIAL)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    dcp.save({"model": state_dict}, storage_writer=_writer(partial), no_dist=True)
+    (partial / MODEL_ARGS_FILE).write_text(model_args_to_json(args))
+    _write_commit(partial, step, ["model"])
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+

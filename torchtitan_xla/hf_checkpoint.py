@@ -1,0 +1,141 @@
+"""HuggingFace interop: export to `model.safetensors` + `config.json` that `transformers`'
+`LlamaForCausalLM.from_pretrained` loads, and import HF Llama weights as initial weights.
+
+Names and the RoPE q/k layout are converted by models/llama/state_dict_adapter.py; this module does
+the file I/O and moves whole tensors between host memory and the (sharded) device parameters, one
+parameter at a time so only one full tensor is ever on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from torchtitan_xla.config_manager import ConfigError
+from torchtitan_xla.models.llama.model import ModelArgs, RopeScaling
+from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def model_args_to_json(args: ModelArgs) -> str:
+    return json.dumps(dataclasses.asdict(args), indent=1)
+
+
+def model_args_from_json(text: str) -> ModelArgs:
+    d = json.loads(text)
+    if d.get("rope_scaling"):
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelArgs(**d)
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint folder (one `model.safetensors` or an index of shards)."""
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    index = hf_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"[checkpoint] initial_load_path: no model.safetensors or {SAFETENSORS_INDEX} "
+                          f"in {hf_dir}")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(str(hf_dir / name)))
+    return out
+
+
+def write_hf(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
+             max_shard_bytes: int = 5 * 2**30) -> None:
+    """safetensors files of at most `max_shard_bytes` (with an index when there are several)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+
+
+# ---- between host tensors and the model --------------------------------------------------------
+
+
+def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Full host copies of the model's parameters (each one gathered from its shards)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        out[name] = t.to(dtype) if dtype is not None else t
+    return out
+
+
+def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *,
+              dtype: torch.dtype = torch.float32, bos_id: int | None = None,
+              eos_id: int | None = None) -> None:
+    tensors = {k: v.to(dtype) for k, v in to_hf(state_dict, args).items()}
+    config = hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=str(dtype).removeprefix("torch."))
+    write_hf(tensors, config, out_dir)
+
+
+@torch.no_grad()
+def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], mesh, *,
+                    source: str) -> None:
+    """Copy full host tensors into the model's parameters, keeping each parameter's sharding."""
+    import torch_xla.distributed.spmd as xs
+
+    from torchtitan_xla.parallelisms.parallelize_llama import partition_spec
+
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    if missing or unexpected:
+        raise ConfigError(f"{source}: weights do not match the model (missing: {missing[:3]}, "
+                          f"unexpected: {unexpected[:3]})")
+    for name, param in params.items():
+        full = state_dict[name]
+        if tuple(full.shape) != tuple(param.shape):
+            raise ConfigError(f"{source}: {name} has shape {list(full.shape)}, the model expects "
+                              f"{list(param.shape)} (check model.flavor and the tokenizer's vocabulary)")
+        # Transfer, then shard before it is used: copying a host tensor straight into a sharded
+        # parameter would leave the parameter replicated.
+        t = full.to(device=param.device, dtype=param.dtype)
+        spec = partition_spec(param)
+        if any(a is not None for a in spec):
+            xs.mark_sharding(t, mesh, spec)
+        param.copy_(t)
+
+
+def load_hf_into_model(model: torch.nn.Module, args: ModelArgs, hf_dir: str | Path, mesh) -> None:
+    hf = read_hf_state_dict(hf_dir)
+    try:
+        ours = from_hf(hf, args)
+    except KeyError as e:
+        raise ConfigError(f"[checkpoint] initial_load_path: {hf_dir}: {e.args[0]}") from None
+    load_into_model(model, ours, mesh, source=f"[checkpoint] initial_load_path {hf_dir}")
