@@ -60,23 +60,43 @@ def tiny_args(dump_folder: Path, *extra: str) -> list[str]:
 _DRIVER = """
 import json, sys
 sys.path.insert(0, {repo!r})
+{prelude}
 import train
 from torchtitan_xla.config_manager import parse_args
-history = train.main(parse_args(sys.argv[1:]))
-print("LOSSES " + json.dumps({{s.step: s.loss for s in history}}))
+history = train.main(parse_args(sys.argv[2:]), model_overrides=json.loads(sys.argv[1]))
+print("LOSSES " + json.dumps({{s.step: s.loss for s in history}}), flush=True)
 """
 
 
-def train_losses(args: list[str], *, devices: int = 1, env: dict[str, str | None] | None = None,
-                 timeout: int = 600) -> dict[int, float]:
-    """Run train.main in a fresh process with `devices` virtual devices; the exact losses."""
-    full_env = _env(devices, env)
-    p = subprocess.run([sys.executable, "-c", _DRIVER.format(repo=str(REPO)), *args],
-                       capture_output=True, text=True, env=full_env, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"training failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("LOSSES "))
+def train_process(args: list[str], *, devices: int = 1, model_overrides: dict | None = None,
+                  prelude: str = "", env: dict[str, str | None] | None = None) -> subprocess.Popen:
+    """Start train.main in a fresh process (stdout/stderr piped); `prelude` runs first."""
+    code = _DRIVER.format(repo=str(REPO), prelude=prelude)
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(model_overrides or {}), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(devices, env))
+
+
+def losses_of(stdout: str) -> dict[int, float]:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("LOSSES "))
     return {int(k): v for k, v in json.loads(line[len("LOSSES "):]).items()}
+
+
+def train_run(args: list[str], *, devices: int = 1, model_overrides: dict | None = None,
+              prelude: str = "", env: dict[str, str | None] | None = None,
+              timeout: int = 600) -> tuple[dict[int, float], str]:
+    """train.main in a fresh process with `devices` virtual devices: (exact losses, its log)."""
+    p = train_process(args, devices=devices, model_overrides=model_overrides, prelude=prelude, env=env)
+    out, err = p.communicate(timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"training failed ({p.returncode}):\n{err[-4000:]}")
+    return losses_of(out), err
+
+
+def train_losses(args: list[str], *, devices: int = 1, model_overrides: dict | None = None,
+                 env: dict[str, str | None] | None = None, timeout: int = 600) -> dict[int, float]:
+    """Run train.main in a fresh process with `devices` virtual devices; the exact losses."""
+    return train_run(args, devices=devices, model_overrides=model_overrides, env=env, timeout=timeout)[0]
 
 
 _MULTI_DRIVER = """

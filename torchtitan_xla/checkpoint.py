@@ -63,6 +63,32 @@ class DamagedCheckpoint(Exception):
     pass
 
 
+def _save_planner():
+    """torch_xla's SPMD save planner, with one fix.
+
+    For a partially replicated tensor (replicated over some mesh axis: every parameter under HSDP,
+    the norms under FSDP x TP) a host's plan lists each chunk once per replica. torch's
+    `dedup_tensors` then drops *every* copy of a chunk listed twice in one plan, and the tensor is
+    silently missing from the checkpoint (torch_xla 2.9 + torch 2.9, found by the FSDP x TP resume
+    test). Keeping one write item per chunk per host fixes it; across hosts torch keeps one."""
+    import dataclasses
+
+    import torch_xla.experimental.distributed_checkpoint as xc
+
+    class SavePlanner(xc.SPMDSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            seen, items = set(), []
+            for item in plan.items:
+                key = (item.index.fqn, None if item.index.offset is None else tuple(item.index.offset))
+                if key not in seen:
+                    seen.add(key)
+                    items.append(item)
+            return dataclasses.replace(plan, items=items)
+
+    return SavePlanner()
+
+
 def _writer(path: Path):
     import torch.distributed.checkpoint as dcp
 
@@ -180,7 +206,6 @@ class CheckpointManager:
 
     def _write(self, step: int, states: dict[str, Any], model_only: bool) -> None:
         import torch.distributed.checkpoint as dcp
-        import torch_xla.experimental.distributed_checkpoint as xc
 
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}{_PARTIAL}"
@@ -188,8 +213,8 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)  # left by a process killed mid-save
             partial.mkdir(parents=True)
         self._barrier()
-        dcp.save(states, storage_writer=_writer(partial),
-                 planner=xc.SPMDSavePlanner(), process_group=self.process_group)
+        dcp.save(states, storage_writer=_writer(partial), planner=_save_planner(),
+                 process_group=self.process_group)
         if self.host_rank == 0:
             # What the weights are, so converters need neither the config nor the tokenizer.
             from torchtitan_xla.hf_checkpoint import model_args_to_json

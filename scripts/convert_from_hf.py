@@ -1,0 +1,66 @@
+"""Convert HuggingFace Llama weights into a weights-only checkpoint step folder.
+
+    python scripts/convert_from_hf.py path/to/Llama-3.1-8B outputs/run/checkpoint/step-0
+
+Put the result at `<dump_folder>/<checkpoint.folder>/step-0` and enable checkpointing: training
+starts from these weights (a seed checkpoint). Alternatively load HF weights directly at start with
+`--checkpoint.initial_load_path DIR --checkpoint.initial_load_in_hf`.
+Runs on the CPU; the model arguments are read from the HF config.json.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torchtitan_xla.checkpoint import write_model_checkpoint  # noqa: E402
+from torchtitan_xla.config_manager import ConfigError  # noqa: E402
+from torchtitan_xla.hf_checkpoint import read_hf_state_dict  # noqa: E402
+from torchtitan_xla.models.llama.model import ModelArgs, RopeScaling  # noqa: E402
+from torchtitan_xla.models.llama.state_dict_adapter import from_hf  # noqa: E402
+
+
+def model_args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs computing what `LlamaForCausalLM` with this config computes."""
+    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim", dim // heads) != dim // heads:
+        raise ConfigError("config.json: head_dim != hidden_size / num_attention_heads is not supported")
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_scaling = None
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        rope_scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+                                   scaling["original_max_position_embeddings"])
+    theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    # The FFN size is given directly; pick multiple_of so that ModelArgs reproduces it exactly.
+    return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
+                     n_kv_heads=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
+                     multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=None,
+                     norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=rope_scaling,
+                     max_seq_len=cfg.get("max_position_embeddings", 2048))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("hf_dir")
+    ap.add_argument("out", help="the step folder to write (e.g. .../checkpoint/step-0)")
+    args = ap.parse_args()
+    try:
+        cfg = json.loads((Path(args.hf_dir) / "config.json").read_text())
+        model_args = model_args_from_hf_config(cfg)
+        if model_args.ffn_hidden_dim != cfg["intermediate_size"]:
+            raise ConfigError(f"config.json: cannot represent intermediate_size {cfg['intermediate_size']}")
+        state = from_hf(read_hf_state_dict(args.hf_dir), model_args)
+        name = Path(args.out).name
+        step = int(name.removeprefix("step-")) if name.startswith("step-") else 0
+        write_model_checkpoint(state, model_args, args.out, step=step)
+    except (ConfigError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
