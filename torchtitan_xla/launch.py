@@ -62,8 +62,9 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 def parse_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm host list such as `tpu-[0-3,7],gpu01` or `rack[1-2]-n[01-02]` (zero padding
-    follows the lower bound, several bracket groups expand left to right)."""
+    """Expand a Slurm host list such as `tpu-[0-3,7],gpu01` or `rack[1-2]-n[01-02]` as Slurm does
+    (zero padding follows the lower bound, several bracket groups expand left to right, nothing
+    may follow the last bracket group)."""
     items, depth, start = [], 0, 0
     for i, c in enumerate(nodelist + ","):
         if c == "[":
@@ -81,6 +82,8 @@ def parse_nodelist(nodelist: str) -> list[str]:
     for item in items:
         if not item:
             continue
+        if "]" in item and not item.endswith("]"):
+            raise ConfigError(f"Slurm node list {nodelist!r}: text after the last ']' in {item!r}")
         names = [""]
         for literal, ranges in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", item):
             expanded = [literal]
