@@ -113,7 +113,10 @@ def test_host_identity_prefers_the_runtime_and_checks_it():
     def count_rank(h):
         return h.count, h.rank
 
-    assert count_rank(host_identity(3, 4, "TPU", env)) == (4, 3)
+    tpu = host_identity(3, 4, "TPU", env)
+    assert count_rank(tpu) == (4, 3)
+    assert tpu.group_rank == 1  # the gloo group's rank 0 must be on MASTER_ADDR (NODE_RANK 0)
+    assert host_identity(3, 4, "TPU", {}).group_rank is None  # no launcher: process 0 is master
     with pytest.raises(ConfigError, match="inconsistent host counts: the launcher says 4 host"):
         host_identity(0, 8, "TPU", env)
     with pytest.raises(ConfigError, match="formed a mesh of this host alone"):

@@ -85,6 +85,7 @@ def test_two_hosts_train_checkpoint_and_resume(tmp_path):
               for r in first]
     assert all(groups), first[0].stderr[-2000:]
     assert groups[0].group(1) == groups[1].group(1)
+    assert all("CPU backend: the 2 processes cannot form one mesh" in r.stderr for r in first)
     # Host 0 logs the steps (metrics.rank_0_only); each host has its half of the global batch.
     assert "step:     2" in first[0].stderr
     # One committed step, written by both hosts, holding each host's own data-loader state.

@@ -52,6 +52,10 @@ class Hosts:
     master_port: int = DEFAULT_MASTER_PORT
     hostnames: tuple[str, ...] | None = None  # every host's name in rank order, when known
     source: str = "single host"  # which variables said so (shown in messages)
+    # This host's rank in the gloo group when it is not `rank`: the group's rank 0 must run on
+    # MASTER_ADDR, which is NODE_RANK 0's host, while on TPU `rank` is the runtime's process
+    # index (the two orders can differ when a metadata server numbers the workers).
+    group_rank: int | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,7 +401,8 @@ def host_identity(xla_index: int, xla_count: int, device_type: str,
             raise ConfigError(f"inconsistent host counts: the launcher says {launcher.count} host(s) "
                               f"({launcher.source}), the {device_type} runtime joined {xla_count}")
         return Hosts(xla_count, xla_index, launcher.master_addr, launcher.master_port,
-                     launcher.hostnames, f"{device_type} runtime")
+                     launcher.hostnames, f"{device_type} runtime",
+                     group_rank=launcher.rank if launcher.count > 1 else None)
     if launcher.count > 1 and device_type != "CPU":
         raise ConfigError(f"the launcher says {launcher.count} hosts ({launcher.source}), but the "
                           f"{device_type} runtime formed a mesh of this host alone: check the TPU "
@@ -416,10 +421,11 @@ def init_host_group(hosts: Hosts, timeout_s: float = 1800):
     if not addr:
         import torch_xla.runtime as xr
 
-        addr = xr.get_master_ip()  # a TPU pod configured by its metadata server
+        addr = xr.get_master_ip()  # a TPU pod configured by its metadata server: process 0's IP
+    rank = hosts.rank if hosts.group_rank is None else hosts.group_rank
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{hosts.master_port}",
-                            rank=hosts.rank, world_size=hosts.count, timeout=timedelta(seconds=timeout_s))
-    me = {"rank": hosts.rank, "count": hosts.count, "coordinator": f"{addr}:{hosts.master_port}",
+                            rank=rank, world_size=hosts.count, timeout=timedelta(seconds=timeout_s))
+    me = {"rank": rank, "count": hosts.count, "coordinator": f"{addr}:{hosts.master_port}",
           "host": socket.gethostname(), "pid": os.getpid()}
     everyone: list[dict] = [{} for _ in range(hosts.count)]
     dist.all_gather_object(everyone, me)
