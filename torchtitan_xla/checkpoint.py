@@ -163,6 +163,13 @@ class CheckpointManager:
         self.host_rank, self.host_count = host_rank, host_count
         self.process_group = process_group
         self._executor = ThreadPoolExecutor(max_workers=1) if self.cfg.async_mode == "async" else None
+        # Writes use their own process group: an async write's collectives run in a background
+        # thread and must not interleave with the loop's (the per-step preemption agreement).
+        self._write_group = process_group
+        if self._executor is not None and host_count > 1 and self.enabled:
+            import torch.distributed as dist
+
+            self._write_group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self._preempted = threading.Event()
 
@@ -221,6 +228,7 @@ class CheckpointManager:
     def _write(self, step: int, states: dict[str, Any], model_only: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
+        start = time.perf_counter()
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}{_PARTIAL}"
         if self.host_rank == 0:
@@ -228,7 +236,7 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         self._barrier()
         dcp.save(states, storage_writer=_writer(partial), planner=_save_planner(),
-                 process_group=self.process_group)
+                 process_group=self._write_group)
         if self.host_rank == 0:
             # What the weights are, so converters need neither the config nor the tokenizer.
             from torchtitan_xla.hf_checkpoint import model_args_to_json
@@ -239,6 +247,10 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(partial, final)
             self._purge()
+            size = sum(json.loads((final / COMMIT_FILE).read_text())["files"].values())
+            seconds = time.perf_counter() - start
+            logger.info(f"Checkpoint step-{step} written: {size / 1e9:.3f} GB in {seconds:.2f}s "
+                        f"({size / 1e9 / seconds:.2f} GB/s)")
         self._barrier()
 
     def export_hf(self, step: int, tokenizer) -> Path | None:
@@ -278,7 +290,7 @@ class CheckpointManager:
         if self.host_count > 1:
             import torch.distributed as dist
 
-            dist.barrier(group=self.process_group)
+            dist.barrier(group=self._write_group)
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -292,6 +304,7 @@ class CheckpointManager:
             steps = [self.cfg.load_step]
         for step in reversed(steps):
             path = self.folder / f"step-{step}"
+            start = time.perf_counter()
             try:
                 self._load(path)
             except DamagedCheckpoint as e:
@@ -301,7 +314,10 @@ class CheckpointManager:
                                       + ("" if older else "; no older checkpoint to fall back to")) from None
                 logger.error(f"checkpoint {path} is damaged: {e}; falling back to step-{older[-1]}")
                 continue
-            logger.info(f"Resumed from {path} (step {self.train_state.step})")
+            size = sum(verify(path)["files"].values())
+            seconds = time.perf_counter() - start
+            logger.info(f"Resumed from {path} (step {self.train_state.step}): {size / 1e9:.3f} GB "
+                        f"in {seconds:.2f}s ({size / 1e9 / seconds:.2f} GB/s)")
             return True
         return False
 
