@@ -70,9 +70,9 @@ def test_two_hosts_agree_on_ids_and_read_disjoint_shards(tmp_path):
     assert not set(table[0]["sequences"]) & set(table[1]["sequences"])
 
 
-def _run_two(dump: Path, steps: int) -> list[subprocess.CompletedProcess]:
+def _run_two(dump: Path, steps: int, *extra: str) -> list[subprocess.CompletedProcess]:
     args = tiny_args(dump, "--training.steps", str(steps), "--checkpoint.enable",
-                     "--checkpoint.interval", "2", "--lr_scheduler.warmup_steps", "1")
+                     "--checkpoint.interval", "2", "--lr_scheduler.warmup_steps", "1", *extra)
     runs = launch_two(args, free_port())
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
@@ -95,8 +95,9 @@ def test_two_hosts_train_checkpoint_and_resume(tmp_path):
     keys = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     assert sorted(k for k in keys if k.startswith("dataloader")) == ["dataloader/host_0",
                                                                       "dataloader/host_1"]
-    # The same command again, for more steps: both hosts resume from step 2.
-    second = _run_two(tmp_path, steps=3)
+    # The same command again, for more steps: both hosts resume from step 2 (and save step 3
+    # in the background, over the checkpoint's own gloo group).
+    second = _run_two(tmp_path, 3, "--checkpoint.async_mode", "async")
     for r in second:
         assert f"Resumed from {step} (step 2)" in r.stderr, r.stderr[-2000:]
     assert "step:     3" in second[0].stderr and "step:     1 " not in second[0].stderr
