@@ -36,6 +36,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     from torchtitan_xla.checkpoint import CheckpointManager, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
+    from torchtitan_xla.launch import host_identity, init_host_group
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
@@ -53,7 +54,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     xr.use_spmd()
     device = torch_xla.device()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, xr.global_runtime_device_count())
-    host_rank, host_count = xr.process_index(), xr.process_count()
+    # Which host this is: the runtime's answer, or the launcher's where the runtime cannot know
+    # (CPU). Several hosts also share a CPU-side (gloo) group for checkpoint coordination.
+    hosts = host_identity(xr.process_index(), xr.process_count(), xr.device_type())
+    host_rank, host_count = hosts.rank, hosts.count
+    process_group = init_host_group(hosts) if host_count > 1 else None
+    if host_count > 1 and xr.process_count() == 1:
+        logger.warning(f"{xr.device_type()} backend: the {host_count} processes cannot form one "
+                       f"mesh; each trains its own replica on its share of the batch (host ids, "
+                       f"data shards and the gloo group are real: a launch test, not training)")
     training = job_config.training
     global_batch = (training.global_batch_size if training.global_batch_size > 0
                     else training.local_batch_size * parallel_dims.dp_degree)
@@ -104,9 +113,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     checkpoint = CheckpointManager(
         job_config, model=model, model_args=model_args, optimizer=optimizer,
         lr_scheduler=lr_scheduler, data_loader=data_loader, train_state=train_state,
-        host_rank=host_rank, host_count=host_count)
+        host_rank=host_rank, host_count=host_count, process_group=process_group)
     if job_config.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
+        if process_group is not None:
+            torch.distributed.destroy_process_group()
         logger.info("Seed checkpoint written; exiting")
         return []
     if not checkpoint.load() and job_config.checkpoint.initial_load_path:
@@ -212,6 +223,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     checkpoint.close()
     if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:
         checkpoint.export_hf(train_state.step, tokenizer)
+    if process_group is not None:
+        torch.distributed.destroy_process_group()
     logger.info(f"Training completed: {compile_stats()[0]} XLA compiles in total")
     return history
 

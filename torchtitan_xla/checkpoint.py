@@ -135,6 +135,21 @@ def verify(path: Path) -> dict[str, Any]:
     return record
 
 
+def _loader_key(host_rank: int) -> str:
+    return f"dataloader/host_{host_rank}"
+
+
+def _saved_loader_hosts(path: Path) -> int:
+    """How many hosts saved a data-loader state into this checkpoint step."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise DamagedCheckpoint(f"metadata unreadable: {type(e).__name__}") from None
+    return sum(k.startswith("dataloader/host_") for k in keys)
+
+
 class CheckpointManager:
     def __init__(self, job_config: JobConfig, *, model: torch.nn.Module, model_args, optimizer,
                  lr_scheduler, data_loader, train_state: TrainState, host_rank: int = 0,
@@ -169,11 +184,10 @@ class CheckpointManager:
         states["optimizer"] = self.optimizer.state_dict()
         states["lr_scheduler"] = self.lr_scheduler.state_dict()
         states["train_state"] = self.train_state.state_dict()
-        # Each host saves its own loader state under its own key (hosts read different data),
-        # pickled: DCP stores it as bytes. The host count is checked on load.
-        states["dataloader"] = {
-            f"host_{self.host_rank}": pickle.dumps(self.data_loader.state_dict()),
-            "host_count": self.host_count}
+        # Each host saves its own loader state (hosts read different data), pickled, under a
+        # top-level key of its own: of a key several hosts write DCP keeps one copy, and torch_xla's
+        # planner stores a dict without tensors as one key. The host count is checked on load.
+        states[_loader_key(self.host_rank)] = pickle.dumps(self.data_loader.state_dict())
         return states
 
     # ---- saving -----------------------------------------------------------------------------
@@ -316,8 +330,16 @@ class CheckpointManager:
         exclude = set(self.cfg.exclude_from_loading)
         model_only = contents == {"model"}
         states = self._states(model_only=model_only)
+        loader_key = _loader_key(self.host_rank)
         for key in exclude:
-            states.pop(key, None)
+            states.pop(loader_key if key == "dataloader" else key, None)
+        if loader_key in states:
+            saved_hosts = _saved_loader_hosts(path)
+            if saved_hosts != self.host_count:
+                raise ConfigError(
+                    f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
+                    f"this run has {self.host_count}; add dataloader to "
+                    f"[checkpoint] exclude_from_loading to restart the data from the beginning")
         try:
             with torch.no_grad():  # loads in place into the (sharded) parameters and states
                 dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
@@ -338,14 +360,8 @@ class CheckpointManager:
             self.train_state.load_state_dict(states["train_state"])
         else:
             self.train_state.step = record["step"]
-        if "dataloader" in states:
-            saved_hosts = states["dataloader"]["host_count"]
-            if saved_hosts != self.host_count:
-                raise ConfigError(
-                    f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
-                    f"this run has {self.host_count}; add dataloader to "
-                    f"[checkpoint] exclude_from_loading to restart the data from the beginning")
-            self.data_loader.load_state_dict(pickle.loads(states["dataloader"][f"host_{self.host_rank}"]))
+        if loader_key in states:
+            self.data_loader.load_state_dict(pickle.loads(states[loader_key]))
 
     def load_initial_weights(self, mesh) -> None:
         """Fine-tuning start: weights from `initial_load_path` (HF folder or a checkpoint step)."""
