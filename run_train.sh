@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Train from a TOML config; extra arguments override it.
+# Train from a TOML config; extra arguments override it. The same command on every host.
 #
 #   ./run_train.sh                                     # train_configs/debug_model.toml
 #   CONFIG_FILE=llama3_8b.toml ./run_train.sh          # a bare name resolves in train_configs/
 #   CONFIG_FILE=./train_configs/debug_model.toml ./run_train.sh --training.steps 50
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 ./run_train.sh      # on host0; NODE_RANK=1 on the other
+#   ./run_train.sh --dry-run [...]      # per host: the variables and the command; starts nothing
+#   ./run_train.sh --check-hosts [...]  # join all hosts (gloo) and compare their data; no XLA
+#
+# Hosts come from NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT, else from Slurm (inside srun), else
+# this is one host (or a TPU VM pod that its metadata server describes). See docs/multihost.md.
 #
 # First use creates ./.venv and installs the package, unless the active Python already has
 # torch_xla (a TPU VM). With no TPU it runs on the XLA CPU backend with as many virtual devices
@@ -14,6 +20,12 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=scripts/setup_env.sh
 source "$REPO/scripts/setup_env.sh"
 setup_python
+
+MODE=train
+case "${1:-}" in
+  --dry-run) MODE=dry-run; shift ;;
+  --check-hosts) MODE=check-hosts; shift ;;
+esac
 
 CONFIG_FILE="${CONFIG_FILE:-$REPO/train_configs/debug_model.toml}"
 if [[ ! -f "$CONFIG_FILE" && -f "$REPO/train_configs/$CONFIG_FILE" ]]; then
@@ -27,9 +39,17 @@ if [[ -z "${PJRT_DEVICE:-}" ]]; then
     export PJRT_DEVICE=CPU
   fi
 fi
-if [[ "$PJRT_DEVICE" == CPU && -z "${CPU_NUM_DEVICES:-}" ]]; then
-  CPU_NUM_DEVICES="$("$PY" -m torchtitan_xla.launch --cpu-devices --job.config_file "$CONFIG_FILE" "$@")" || exit 2
-  export CPU_NUM_DEVICES
-fi
 
-exec "$PY" "$REPO/train.py" --job.config_file "$CONFIG_FILE" "$@"
+# This checkout's package, whatever else the Python has installed.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+ARGS=(--job.config_file "$CONFIG_FILE" "$@")
+if [[ "$MODE" == dry-run ]]; then
+  exec "$PY" -m torchtitan_xla.launch --dry-run "${ARGS[@]}"
+fi
+# Which host this is and what its runtime needs; bad input stops here with one line, exit 2.
+EXPORTS="$("$PY" -m torchtitan_xla.launch --exports "${ARGS[@]}")" || exit 2
+eval "$EXPORTS"
+if [[ "$MODE" == check-hosts ]]; then
+  exec "$PY" -m torchtitan_xla.launch --check-hosts "${ARGS[@]}"
+fi
+exec "$PY" "$REPO/train.py" "${ARGS[@]}"

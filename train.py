@@ -31,13 +31,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     import torch
     import torch.nn.functional as F
     import torch_xla
-    import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     from torchtitan_xla.checkpoint import CheckpointManager, TrainState
-    from torchtitan_xla.datasets import build_data_loader, build_tokenizer
+    from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.float8 import convert_to_float8_training
+    from torchtitan_xla.launch import host_identity, init_host_group
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
@@ -55,7 +55,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     xr.use_spmd()
     device = torch_xla.device()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, xr.global_runtime_device_count())
-    host_rank, host_count = xr.process_index(), xr.process_count()
+    # Which host this is: the runtime's answer, or the launcher's where the runtime cannot know
+    # (CPU). Several hosts also share a CPU-side (gloo) group for checkpoint coordination.
+    hosts = host_identity(xr.process_index(), xr.process_count(), xr.device_type())
+    host_rank, host_count = hosts.rank, hosts.count
+    process_group = init_host_group(hosts) if host_count > 1 else None
+    if host_count > 1 and xr.process_count() == 1:
+        logger.warning(f"{xr.device_type()} backend: the {host_count} processes cannot form one "
+                       f"mesh; each trains its own replica on its share of the batch (host ids, "
+                       f"data shards and the gloo group are real: a launch test, not training)")
     training = job_config.training
     global_batch = (training.global_batch_size if training.global_batch_size > 0
                     else training.local_batch_size * parallel_dims.dp_degree)
@@ -68,16 +76,18 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     # Tokenizer and data: each host loads its share of the global batch.
     tokenizer = build_tokenizer(job_config.model.tokenizer_path)
+    # Batches arrive on the mesh, sharded over the batch axes and prefetched in the background;
+    # with several hosts each one holds only its slice of the batch dimension.
     data_loader = build_data_loader(
         job_config, tokenizer, batch_size=global_batch // host_count,
-        host_rank=host_rank, host_count=host_count)
-    # With several hosts each one holds only its slice of the batch dimension.
-    batch_sharding = xs.ShardingSpec(mesh, (BATCH_AXES, None), minibatch=host_count > 1)
+        host_rank=host_rank, host_count=host_count, device=device,
+        input_sharding=xs.ShardingSpec(mesh, (BATCH_AXES, None), minibatch=host_count > 1))
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
                                 vocab_size=tokenizer.n_words, max_seq_len=training.seq_len,
                                 **(model_overrides or {}))
+    check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim)
     with torch.device("meta"):
@@ -106,9 +116,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     checkpoint = CheckpointManager(
         job_config, model=model, model_args=model_args, optimizer=optimizer,
         lr_scheduler=lr_scheduler, data_loader=data_loader, train_state=train_state,
-        host_rank=host_rank, host_count=host_count)
+        host_rank=host_rank, host_count=host_count, process_group=process_group)
     if job_config.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
+        if process_group is not None:
+            torch.distributed.destroy_process_group()
         logger.info("Seed checkpoint written; exiting")
         return []
     if not checkpoint.load() and job_config.checkpoint.initial_load_path:
@@ -178,7 +190,6 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             gc_handler.run(step)
             data_start = time.perf_counter()
             inputs, labels = next(data_iterator)
-            inputs, labels = xm.send_cpu_data_to_device([inputs, labels], device, batch_sharding)
             metric_logger.add_data_wait(time.perf_counter() - data_start)
             step_stats = compiled_step(inputs, labels)
             lr = lr_scheduler.get_last_lr()[0]
@@ -211,10 +222,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
                 break
     metric_logger.close()
+    data_loader.close()
 
     checkpoint.close()
     if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:
         checkpoint.export_hf(train_state.step, tokenizer)
+    if process_group is not None:
+        torch.distributed.destroy_process_group()
     logger.info(f"Training completed: {compile_stats()[0]} XLA compiles in total")
     return history
 

@@ -9,6 +9,14 @@
 
 _TTX_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+# Whether Python $1 has modules $2...: looked up, not imported (importing torch_xla takes
+# seconds, and every host runs this at every launch).
+_has_modules() {
+  local py="$1"; shift
+  "$py" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))' \
+    "$@" >/dev/null 2>&1
+}
+
 setup_python() {
   local extras="${1:-}"
   local base="${PYTHON:-python3}"
@@ -17,10 +25,10 @@ setup_python() {
   local stamp_id
   stamp_id="$(cksum < "$_TTX_REPO/pyproject.toml" | cut -d' ' -f1)-${extras:-base}"
 
-  if "$base" -c "import torch_xla" >/dev/null 2>&1; then
+  if _has_modules "$base" torch_xla; then
     PY="$(command -v "$base")"
-    if ! "$PY" -c "import torchtitan_xla, tiktoken, sentencepiece, tomli_w, datasets, torchdata" >/dev/null 2>&1 \
-        || { [[ -n "$extras" ]] && ! "$PY" -c "import pytest, transformers" >/dev/null 2>&1; }; then
+    if ! _has_modules "$PY" torchtitan_xla tiktoken sentencepiece tomli_w datasets torchdata \
+        || { [[ -n "$extras" ]] && ! _has_modules "$PY" pytest transformers; }; then
       echo "[setup] adding torchtitan_xla to $PY (torch and torch_xla left as they are)" >&2
       "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
       "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude torch torch_xla)

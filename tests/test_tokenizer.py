@@ -9,7 +9,11 @@ from torchtitan_xla.config_manager import ConfigError
 from torchtitan_xla.datasets import python_docs
 from torchtitan_xla.datasets.tokenizer import build_tokenizer
 from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer, llama3_special_tokens
-from torchtitan_xla.datasets.tokenizer.train_bpe import default_tokenizer_path, train_bpe, write_ranks
+from torchtitan_xla.datasets.tokenizer.train_bpe import (
+    default_tokenizer_path,
+    train_bpe,
+    write_ranks,
+)
 
 SAMPLE = "The \"assert\" statement — déjà vu 🙂 in 世界\n\n\tindented   text <|end_of_text|> 12345"
 
@@ -25,9 +29,11 @@ def test_llama3_special_token_layout():
     specials = llama3_special_tokens()
     assert len(specials) == 256 and len(set(specials)) == 256
     assert specials[:2] == ["<|begin_of_text|>", "<|end_of_text|>"]
-    assert specials[6:10] == ["<|start_header_id|>", "<|end_header_id|>",
-                              "<|reserved_special_token_4|>", "<|eot_id|>"]
-    assert specials[-1] == "<|reserved_special_token_250|>"
+    assert specials[4:12] == ["<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
+                              "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+                              "<|image|>"]
+    assert specials[12] == "<|reserved_special_token_2|>"
+    assert specials[-1] == "<|reserved_special_token_245|>"
 
 
 def test_tiktoken_bos_eos_and_round_trip(tiktok):
@@ -110,3 +116,64 @@ def test_bad_tokenizer_files(tmp_path):
     gap.write_text(f"{base64.b64encode(b'a').decode()} 0\n{base64.b64encode(b'b').decode()} 5\n")
     with pytest.raises(ConfigError, match="ranks must be 0..1 without gaps"):
         build_tokenizer(str(gap))
+
+
+def _fake_llama_models(root, ranks):
+    """A stand-in for the llama-models package: just its llama3/tokenizer.model."""
+    pkg = root / "llama_models"
+    (pkg / "llama3").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    write_ranks(ranks, pkg / "llama3" / "tokenizer.model")
+    return root
+
+
+def test_llama3_is_found_in_the_llama_models_package(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "llama_models", raising=False)
+    ranks = train_bpe(python_docs.documents()[:5], 300)
+    monkeypatch.syspath_prepend(str(_fake_llama_models(tmp_path, ranks)))
+    tok = build_tokenizer("llama3")
+    assert (tok.n_words, tok.bos_id, tok.eos_id) == (556, 300, 301)
+
+
+def test_llama3_without_llama_models_is_one_line(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(ConfigError, match=r"^\[model\] tokenizer_path = 'llama3' means the Llama 3 "
+                                          r"tokenizer.model shipped by the llama-models package, "
+                                          r"which is not installed \(pip install --no-deps "
+                                          r"llama-models\)"):
+        build_tokenizer("llama3")
+
+
+def test_tiktoken_matches_metas_reference_implementation(tmp_path):
+    """Meta's own Llama 3 Tokenizer class (from llama-models, when installed) on the same file:
+    identical ids for every BOS/EOS combination, special-token text, long runs; same specials."""
+    from pathlib import Path
+
+    reference = pytest.importorskip("llama_models.llama3.tokenizer", exc_type=ImportError)
+    path = tmp_path / "small.tiktoken"
+    write_ranks(train_bpe(python_docs.documents()[:20], 600), path)
+    ref, ours = reference.Tokenizer(Path(path)), build_tokenizer(str(path))
+    assert ours.special_tokens == ref.special_tokens
+    assert (ours.n_words, ours.bos_id, ours.eos_id, ours.eot_id, ours.pad_id) == (
+        ref.n_words, ref.bos_id, ref.eos_id, ref.eot_id, ref.pad_id)
+    texts = [SAMPLE, "", "<|begin_of_text|><|eot_id|> text", "a" * 30_000 + " " * 26_000 + "b",
+             *python_docs.documents()[20:23]]
+    for text in texts:
+        for bos in (False, True):
+            for eos in (False, True):
+                assert ours.encode(text, bos=bos, eos=eos) == ref.encode(text, bos=bos, eos=eos)
+    ids = ref.encode(SAMPLE, bos=True, eos=True) + [ref.eot_id, ref.pad_id]
+    assert ours.decode(ids) == ref.decode(ids)
+
+
+def test_the_real_llama3_file_when_llama_models_is_installed():
+    reference = pytest.importorskip("llama_models.llama3.tokenizer", exc_type=ImportError)
+    ours, ref = build_tokenizer("llama3"), reference.Tokenizer.get_instance()
+    assert ours.n_words == ref.n_words == 128_256 and ours.bos_id == 128_000
+    assert ours.encode("Hello world!", bos=True, eos=False) == [128000, 9906, 1917, 0]
+    for text in (SAMPLE, python_docs.documents()[3]):
+        assert ours.encode(text, bos=True, eos=True) == ref.encode(text, bos=True, eos=True)

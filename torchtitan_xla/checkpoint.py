@@ -135,6 +135,21 @@ def verify(path: Path) -> dict[str, Any]:
     return record
 
 
+def _loader_key(host_rank: int) -> str:
+    return f"dataloader/host_{host_rank}"
+
+
+def _saved_loader_hosts(path: Path) -> int:
+    """How many hosts saved a data-loader state into this checkpoint step."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise DamagedCheckpoint(f"metadata unreadable: {type(e).__name__}") from None
+    return sum(k.startswith("dataloader/host_") for k in keys)
+
+
 class CheckpointManager:
     def __init__(self, job_config: JobConfig, *, model: torch.nn.Module, model_args, optimizer,
                  lr_scheduler, data_loader, train_state: TrainState, host_rank: int = 0,
@@ -148,6 +163,13 @@ class CheckpointManager:
         self.host_rank, self.host_count = host_rank, host_count
         self.process_group = process_group
         self._executor = ThreadPoolExecutor(max_workers=1) if self.cfg.async_mode == "async" else None
+        # Writes use their own process group: an async write's collectives run in a background
+        # thread and must not interleave with the loop's (the per-step preemption agreement).
+        self._write_group = process_group
+        if self._executor is not None and host_count > 1 and self.enabled:
+            import torch.distributed as dist
+
+            self._write_group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self._preempted = threading.Event()
 
@@ -162,11 +184,10 @@ class CheckpointManager:
         states["optimizer"] = self.optimizer.state_dict()
         states["lr_scheduler"] = self.lr_scheduler.state_dict()
         states["train_state"] = self.train_state.state_dict()
-        # Each host saves its own loader state under its own key (hosts read different data),
-        # pickled: DCP stores it as bytes. The host count is checked on load.
-        states["dataloader"] = {
-            f"host_{self.host_rank}": pickle.dumps(self.data_loader.state_dict()),
-            "host_count": self.host_count}
+        # Each host saves its own loader state (hosts read different data), pickled, under a
+        # top-level key of its own: of a key several hosts write DCP keeps one copy, and torch_xla's
+        # planner stores a dict without tensors as one key. The host count is checked on load.
+        states[_loader_key(self.host_rank)] = pickle.dumps(self.data_loader.state_dict())
         return states
 
     # ---- saving -----------------------------------------------------------------------------
@@ -207,6 +228,7 @@ class CheckpointManager:
     def _write(self, step: int, states: dict[str, Any], model_only: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
+        start = time.perf_counter()
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}{_PARTIAL}"
         if self.host_rank == 0:
@@ -214,7 +236,7 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         self._barrier()
         dcp.save(states, storage_writer=_writer(partial), planner=_save_planner(),
-                 process_group=self.process_group)
+                 process_group=self._write_group)
         if self.host_rank == 0:
             # What the weights are, so converters need neither the config nor the tokenizer.
             from torchtitan_xla.hf_checkpoint import model_args_to_json
@@ -225,6 +247,10 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(partial, final)
             self._purge()
+            size = sum(json.loads((final / COMMIT_FILE).read_text())["files"].values())
+            seconds = time.perf_counter() - start
+            logger.info(f"Checkpoint step-{step} written: {size / 1e9:.3f} GB in {seconds:.2f}s "
+                        f"({size / 1e9 / seconds:.2f} GB/s)")
         self._barrier()
 
     def export_hf(self, step: int, tokenizer) -> Path | None:
@@ -264,7 +290,7 @@ class CheckpointManager:
         if self.host_count > 1:
             import torch.distributed as dist
 
-            dist.barrier(group=self.process_group)
+            dist.barrier(group=self._write_group)
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -278,6 +304,7 @@ class CheckpointManager:
             steps = [self.cfg.load_step]
         for step in reversed(steps):
             path = self.folder / f"step-{step}"
+            start = time.perf_counter()
             try:
                 self._load(path)
             except DamagedCheckpoint as e:
@@ -287,7 +314,10 @@ class CheckpointManager:
                                       + ("" if older else "; no older checkpoint to fall back to")) from None
                 logger.error(f"checkpoint {path} is damaged: {e}; falling back to step-{older[-1]}")
                 continue
-            logger.info(f"Resumed from {path} (step {self.train_state.step})")
+            size = sum(verify(path)["files"].values())
+            seconds = time.perf_counter() - start
+            logger.info(f"Resumed from {path} (step {self.train_state.step}): {size / 1e9:.3f} GB "
+                        f"in {seconds:.2f}s ({size / 1e9 / seconds:.2f} GB/s)")
             return True
         return False
 
@@ -300,8 +330,16 @@ class CheckpointManager:
         exclude = set(self.cfg.exclude_from_loading)
         model_only = contents == {"model"}
         states = self._states(model_only=model_only)
+        loader_key = _loader_key(self.host_rank)
         for key in exclude:
-            states.pop(key, None)
+            states.pop(loader_key if key == "dataloader" else key, None)
+        if loader_key in states:
+            saved_hosts = _saved_loader_hosts(path)
+            if saved_hosts != self.host_count:
+                raise ConfigError(
+                    f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
+                    f"this run has {self.host_count}; add dataloader to "
+                    f"[checkpoint] exclude_from_loading to restart the data from the beginning")
         try:
             with torch.no_grad():  # loads in place into the (sharded) parameters and states
                 dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
@@ -322,14 +360,8 @@ class CheckpointManager:
             self.train_state.load_state_dict(states["train_state"])
         else:
             self.train_state.step = record["step"]
-        if "dataloader" in states:
-            saved_hosts = states["dataloader"]["host_count"]
-            if saved_hosts != self.host_count:
-                raise ConfigError(
-                    f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
-                    f"this run has {self.host_count}; add dataloader to "
-                    f"[checkpoint] exclude_from_loading to restart the data from the beginning")
-            self.data_loader.load_state_dict(pickle.loads(states["dataloader"][f"host_{self.host_rank}"]))
+        if loader_key in states:
+            self.data_loader.load_state_dict(pickle.loads(states[loader_key]))
 
     def load_initial_weights(self, mesh) -> None:
         """Fine-tuning start: weights from `initial_load_path` (HF folder or a checkpoint step)."""

@@ -88,8 +88,23 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: str = opt("python_docs", "Dataset name (python_docs is embedded and works offline).")
-    dataset_path: str = opt("", "Local path of the dataset; empty: the registry default.")
+    dataset: Literal["python_docs", "c4", "json", "parquet", "text", "hf", "synthetic"] = opt(
+        "python_docs",
+        "Dataset (docs/datasets.md): python_docs is embedded and works offline; c4 streams "
+        "allenai/c4 (en) from the Hub, or reads a local copy at dataset_path; json / parquet / "
+        "text read local files; hf a save_to_disk folder or a Hub id; synthetic is random tokens.")
+    dataset_path: str = opt(
+        "", "Local file, folder or glob of the dataset (c4: the folder holding en/); empty: the "
+        "registry default.")
+    dataset_split: str = opt(
+        "train", "Split to read: train, or validation (python_docs holds out every tenth topic; c4 "
+        "reads c4-validation.* files).")
+    shuffle_buffer: int = opt(
+        0, "Shuffle documents through a buffer of this many, seeded by debug.seed (0: source "
+        "order). The buffer is saved with the data state, so resume stays exact.", ge=0)
+    num_workers: int = opt(
+        0, "Tokenizing worker processes per host (0: a background thread of the training "
+        "process). Resume needs the same value.", ge=0)
     local_batch_size: int = opt(8, "Sequences per data-parallel rank per forward/backward pass.", gt=0)
     global_batch_size: int = opt(
         -1, "Sequences per optimizer step over all data-parallel ranks; a multiple of "

@@ -2,20 +2,59 @@
 
 from __future__ import annotations
 
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from torchtitan_xla.config_manager import JobConfig
-from torchtitan_xla.datasets.text_datasets import PackedTextDataset, load_documents
-from torchtitan_xla.datasets.tokenizer import Tokenizer, build_tokenizer
+from torchtitan_xla.datasets.loader import DataLoader
+from torchtitan_xla.datasets.tokenizer import Tokenizer, build_tokenizer, check_vocab_size
 
-__all__ = ["build_data_loader", "build_tokenizer", "Tokenizer"]
+__all__ = ["DataLoader", "Tokenizer", "build_data_loader", "build_tokenizer", "check_vocab_size"]
+
+DEFAULT_SEED = 0
 
 
 def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size: int,
-                      host_rank: int = 0, host_count: int = 1) -> StatefulDataLoader:
-    """This host's loader: `batch_size` packed sequences per step, resumable via state_dict()."""
+                      host_rank: int = 0, host_count: int = 1, split: str | None = None,
+                      infinite: bool = True, device=None, input_sharding=None) -> DataLoader:
+    """This host's loader: `batch_size` packed sequences per step (the host's share of the
+    global batch), read from this host's share of the dataset, resumable via state_dict().
+
+    With `device` (and `input_sharding`), batches arrive on the device mesh, prefetched in a
+    background thread; without, they stay on the host (tests, benchmarks)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchtitan_xla.datasets.text_datasets import (
+        PackedTextDataset,
+        SyntheticDataset,
+        load_documents,
+    )
+
     t = job_config.training
-    dataset = PackedTextDataset(
-        load_documents(t.dataset, t.dataset_path), tokenizer, t.seq_len,
-        host_rank=host_rank, host_count=host_count, name=t.dataset)
-    return StatefulDataLoader(dataset, batch_size=batch_size, num_workers=0)
+    seed = job_config.debug.seed if job_config.debug.seed is not None else DEFAULT_SEED
+    split = split or t.dataset_split
+    if t.dataset == "synthetic":
+        dataset = SyntheticDataset(tokenizer.n_words, t.seq_len, host_rank=host_rank, seed=seed,
+                                   split=split)
+    else:
+        documents = load_documents(t.dataset, t.dataset_path, split)
+        dataset = PackedTextDataset(
+            documents, tokenizer, t.seq_len, host_rank=host_rank, host_count=host_count,
+            shuffle_buffer=t.shuffle_buffer, seed=seed, infinite=infinite, name=t.dataset)
+    workers = t.num_workers
+    host_loader = StatefulDataLoader(
+        dataset, batch_size=batch_size, num_workers=workers,
+        multiprocessing_context=_worker_context() if workers else None,
+        persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+    return DataLoader(host_loader, host_rank=host_rank, host_count=host_count, num_workers=workers,
+                      device=device, input_sharding=input_sharding)
+
+
+def _worker_context():
+    """Workers fork from a clean server process that has the heavy libraries imported: not from
+    this process (whose XLA runtime already runs threads: forking it is unsafe), and without
+    paying a fresh interpreter's imports per worker as "spawn" would. This package itself is not
+    preloaded: the server ignores sys.path (Python 3.11), each worker imports it after receiving
+    this process's sys.path, so it is the same checkout."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "datasets", "tiktoken", "sentencepiece"])
+    return ctx

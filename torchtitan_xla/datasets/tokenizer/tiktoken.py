@@ -23,11 +23,14 @@ NUM_RESERVED_SPECIAL_TOKENS = 256
 
 
 def llama3_special_tokens() -> list[str]:
-    named = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-        f"<|reserved_special_token_{i}|>" for i in range(4)] + [
-        "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
-    rest = [f"<|reserved_special_token_{i}|>"
-            for i in range(5, NUM_RESERVED_SPECIAL_TOKENS - len(named) + 5)]
+    """The 256 special tokens, named as Meta's current reference (Llama 3.1 onwards; Llama 3.0
+    called ids 4, 5, 8, 10, 11 reserved tokens: the ids of BOS, EOS, headers and EOT agree)."""
+    named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+             "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+             "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+             "<|python_tag|>", "<|image|>"]
+    rest = [f"<|reserved_special_token_{2 + i}|>"
+            for i in range(NUM_RESERVED_SPECIAL_TOKENS - len(named))]
     return named + rest
 
 
@@ -69,6 +72,8 @@ class TikTokenizer(Tokenizer):
         self.n_words = len(ranks) + len(specials)
         self.bos_id = self.special_tokens["<|begin_of_text|>"]
         self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self.eot_id = self.special_tokens["<|eot_id|>"]
+        self.pad_id = self.special_tokens["<|finetune_right_pad_id|>"]
 
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         ids = [self.bos_id] if bos else []

@@ -1,0 +1,105 @@
+"""Checkpoint throughput against the disk, and how long the training loop is blocked by a save,
+synchronous vs asynchronous.
+
+    python bench/bench_checkpoint.py [--dim 1024] [--layers 8] [--folder /tmp/ttx-bench-ckpt]
+
+A model of about 100M parameters (debug flavor widened to `--dim`) trains a few steps on one XLA
+CPU device and saves every 2 steps (parameters + Adam state, float32: ~1.3 GB per checkpoint).
+Every number comes from train.py's own log lines ("written: X GB in Ys", "loop blocked Ys",
+"Resumed ... in Ys"); the disk's own sequential write speed (with fsync, as DCP writes) is
+measured in the same run on the same folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def disk_write_speed(folder: Path, size: int = 2 * 2**30, chunk: int = 64 * 2**20) -> float:
+    """GB/s of a sequential write of `size` bytes followed by fsync."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "disk-speed.bin"
+    data = os.urandom(chunk)
+    start = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(size // chunk):
+            fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return size / 1e9 / seconds
+
+
+def train(args: list[str], overrides: dict) -> str:
+    code = (f"import sys, json; sys.path.insert(0, {str(REPO)!r}); import train; "
+            f"from torchtitan_xla.config_manager import parse_args; "
+            f"train.main(parse_args(sys.argv[2:]), model_overrides=json.loads(sys.argv[1]))")
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), *args],
+                       capture_output=True, text=True, env=env)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    return p.stderr
+
+
+def floats(pattern: str, log: str) -> list[float]:
+    return [float(x) for x in re.findall(pattern, log)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--folder", type=Path, default=Path("/tmp/ttx-bench-ckpt"))
+    opts = ap.parse_args()
+    shutil.rmtree(opts.folder, ignore_errors=True)
+    disk = disk_write_speed(opts.folder)
+    overrides = {"dim": opts.dim, "n_layers": opts.layers, "n_heads": 16}
+    base = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.no-print_config",
+            "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "6",
+            "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.keep_latest_k", "2"]
+    results = {}
+    for mode in ("disabled", "async"):
+        folder = opts.folder / mode
+        log = train(base + ["--job.dump_folder", str(folder), "--checkpoint.async_mode", mode], overrides)
+        results[mode] = {
+            "blocked": floats(r"loop blocked ([0-9.]+)s", log),
+            "written_gb": floats(r"written: ([0-9.]+) GB", log),
+            "write_gbps": floats(r"written: [0-9.]+ GB in [0-9.]+s \(([0-9.]+) GB/s\)", log),
+        }
+        # Resume from the newest checkpoint: the load throughput.
+        (folder / "checkpoint" / "step-6").rename(folder / "checkpoint" / "step-6.moved")
+        log = train(base + ["--job.dump_folder", str(folder), "--training.steps", "5"], overrides)
+        results[mode]["load_gbps"] = floats(r"Resumed from .*\(([0-9.]+) GB/s\)", log)
+    sync, asyn = results["disabled"], results["async"]
+    print(f"machine: {os.cpu_count()} cores; folder {opts.folder}; disk sequential write + fsync "
+          f"{disk:.2f} GB/s (measured)")
+    print(f"checkpoint: {statistics.mean(sync['written_gb']):.2f} GB (model dim {opts.dim}, "
+          f"{opts.layers} blocks, parameters + Adam state, float32)")
+    save = statistics.median(sync["write_gbps"])
+    load = statistics.median(sync["load_gbps"] + asyn["load_gbps"])
+    print(f"save: {save:.2f} GB/s = {100 * save / disk:.0f}% of the disk's write speed")
+    print(f"load: {load:.2f} GB/s (files likely still in the page cache)")
+    # The first save of each run: with async, later saves can also wait for the previous write
+    # when the save interval is shorter than a write (here it is, to keep the bench short).
+    b_sync, b_async = sync["blocked"][0], asyn["blocked"][0]
+    print(f"loop blocked by the first save: sync {b_sync:.2f}s, async {b_async:.2f}s "
+          f"({100 * b_async / b_sync:.0f}% of sync); all saves: sync {sync['blocked']}, "
+          f"async {asyn['blocked']}")
+
+
+if __name__ == "__main__":
+    main()
