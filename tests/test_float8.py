@@ -11,11 +11,14 @@ of float8 values are exact in float32, so the dot adds only float32 accumulation
 """
 
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import run_train, tiny_args, train_many, train_run
+from helpers import REPO, run_train, tiny_args, train_many, train_run
 
 from torchtitan_xla.config_manager import ConfigError, parse_args
 from torchtitan_xla.float8 import (
@@ -39,9 +42,8 @@ FORMATS = {E4M3: (2.0 ** -4, 2.0 ** -10), E5M2: (2.0 ** -3, 2.0 ** -17)}  # (u, 
 B, S, K, N = 4, 16, 64, 48
 
 
-@pytest.fixture(scope="module")
-def layer(xla_device):
-    """A Float8Linear's forward and backward on XLA, with its inputs and the step's HLO."""
+def trace_layer(device) -> dict:
+    """A Float8Linear's forward and backward on XLA: inputs, results and the HLO."""
     import torch_xla
 
     torch.manual_seed(0)
@@ -51,14 +53,47 @@ def layer(xla_device):
     lin = Float8Linear(K, N, bias=False)
     with torch.no_grad():
         lin.weight.copy_(w)
-    lin.to(xla_device)
-    xd = x.to(xla_device).requires_grad_()
+    lin.to(device)
+    xd = x.to(device).requires_grad_()
     out = lin(xd)
-    out.backward(g.to(xla_device))
+    out.backward(g.to(device))
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, xd.grad, lin.weight.grad])
-    results = {"out": out.cpu().double(), "grad_x": xd.grad.cpu().double(),
-               "grad_w": lin.weight.grad.cpu().double()}
-    return x.double(), w.double(), g.double(), results, hlo
+    return dict(x=x, w=w, g=g, out=out.cpu(), grad_x=xd.grad.cpu(), grad_w=lin.weight.grad.cpu(), hlo=hlo)
+
+
+# Everything that runs on XLA for the tests below, in one 1-device process: executing (or leaving
+# pending) graphs in the pytest process would change the compile counts that later in-process
+# tests (test_metrics.py) read.
+_TRACES = """
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import torch, torch_xla
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+import test_float8 as t
+
+device = torch_xla.device()
+steps = {{name: t.step_hlo(device, *argv) for name, argv in t.STEP_CONFIGS.items()}}
+torch.save(dict(layer=t.trace_layer(device), steps=steps), sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    path = tmp_path_factory.mktemp("f8_traces") / "traces.pt"
+    code = _TRACES.format(repo=str(REPO), tests=str(REPO / "tests"))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def layer(traces):
+    r = traces["layer"]
+    results = {k: r[k].double() for k in ("out", "grad_x", "grad_w")}
+    return r["x"].double(), r["w"].double(), r["g"].double(), results, r["hlo"]
 
 
 def _operands(x, w, g):
@@ -240,8 +275,9 @@ def test_no_eligible_layer_stops_train_py_with_one_line_before_compiling(tmp_pat
 # ---- activation checkpointing and scan: what is saved, what is recomputed ------------------------
 
 
-def _step_hlo(xla_device, *argv) -> str:
-    """The HLO of one forward + backward of a 2-block float8 model under the given options."""
+def step_hlo(xla_device, *argv) -> str:
+    """The HLO of one forward + backward of a 2-block float8 model under the given options (traced,
+    never compiled)."""
     import torch_xla
 
     from torchtitan_xla.models.llama import ModelArgs, Transformer
@@ -260,7 +296,6 @@ def _step_hlo(xla_device, *argv) -> str:
     tokens = torch.randint(0, 64, (2, 16)).to(xla_device)
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     loss.backward()
-    # Only traced: the graph is dropped with its tensors, never compiled.
     return torch_xla._XLAC._get_xla_tensors_hlo([loss] + [p.grad for p in model.parameters()])
 
 
@@ -268,31 +303,40 @@ FORWARD_DOT = re.compile(r"= f32\[[\d,]+\]\{[\d,]+\} dot\(f8e4m3fn\[[\d,]+\]\{[\
 BACKWARD_DOT = re.compile(r"= f32\[[\d,]+\]\{[\d,]+\} dot\(f8e5m2\[[\d,]+\]\{[\d,]+\} %[\w.]+, f8e4m3fn")
 
 
-@pytest.mark.parametrize("argv,forward,barriers", [
-    ([AC + "mode", "none"], 14, 0),  # 7 float8 linears per block, 2 blocks
+STEP_CONFIGS = {
+    "none": [AC + "mode", "none"],
+    "full": [AC + "mode", "full"],
+    "selective_2": [AC + "mode", "selective", AC + "selective_ac_option", "2"],
+    "selective_op": [AC + "mode", "selective", AC + "selective_ac_option", "op"],
+    "scan": ["--compile.scan_layers", AC + "mode", "none"],
+}
+
+
+@pytest.mark.parametrize("mode,forward,barriers", [
+    ("none", 14, 0),  # 7 float8 linears per block, 2 blocks
     # Each block's forward runs again in the backward pass, except w2's matmul: its output is
     # not needed there (its backward needs only its input and the weight).
-    ([AC + "mode", "full"], 14 + 2 * 6, 2),
-    ([AC + "mode", "selective", AC + "selective_ac_option", "2"], 14 + 6, 1),  # block 2 only
-    ([AC + "mode", "selective", AC + "selective_ac_option", "op"], 14, 2),  # outputs kept
+    ("full", 14 + 2 * 6, 2),
+    ("selective_2", 14 + 6, 1),  # block 2 only
+    ("selective_op", 14, 2),  # outputs kept
 ])
-def test_op_level_checkpointing_keeps_the_float8_matmul_outputs(xla_device, argv, forward, barriers):
+def test_op_level_checkpointing_keeps_the_float8_matmul_outputs(traces, mode, forward, barriers):
     """The op-level policy saves float8_dot's output as it saves aten.mm's: the recomputed blocks
     (one opt-barrier each) redo norms and activations but no float8 matmul. Each of the 14 linears
     has two backward dots (grad input, grad weight)."""
-    hlo = _step_hlo(xla_device, *argv)
+    hlo = traces["steps"][mode]
     assert len(FORWARD_DOT.findall(hlo)) == forward
     assert len(BACKWARD_DOT.findall(hlo)) == 28
     assert len(_plain_matmuls(hlo)) == 3  # the output projection's, kept in float32
     assert hlo.count("opt-barrier(") == barriers
 
 
-def test_scan_body_has_the_float8_dots(xla_device):
+def test_scan_body_has_the_float8_dots(traces):
     """Under scan the blocks are one while loop each way (AOTAutograd traces float8_dot as one op):
     the forward body holds one block's 7 forward float8 dots, the backward body its 14 backward
     ones; the other matmuls are the output projection's (forward, grad input, grad weight) and
-    attention's batched dots stay float32)."""
-    hlo = _step_hlo(xla_device, "--compile.scan_layers", AC + "mode", "none")
+    attention's, which are batched and stay in float32."""
+    hlo = traces["steps"]["scan"]
     assert len(re.findall(r"\) while\(", hlo)) == 2
     assert len(FORWARD_DOT.findall(hlo)) == 7 and len(BACKWARD_DOT.findall(hlo)) == 14
     assert len(_plain_matmuls(hlo)) == 3
