@@ -61,9 +61,9 @@ def trace_layer(device) -> dict:
     return dict(x=x, w=w, g=g, out=out.cpu(), grad_x=xd.grad.cpu(), grad_w=lin.weight.grad.cpu(), hlo=hlo)
 
 
-# Everything that runs on XLA for the tests below, in one 1-device process: executing (or leaving
-# pending) graphs in the pytest process would change the compile counts that later in-process
-# tests (test_metrics.py) read.
+# Everything that runs on XLA for these tests, in one 1-device process: this file leaves the pytest
+# process without XLA state (compile counts read by test_metrics.py, the environment variables
+# torch_xla sets, which test_launch.py's dry runs print).
 _TRACES = """
 import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
@@ -75,7 +75,7 @@ import test_float8 as t
 
 device = torch_xla.device()
 steps = {{name: t.step_hlo(device, *argv) for name, argv in t.STEP_CONFIGS.items()}}
-torch.save(dict(layer=t.trace_layer(device), steps=steps), sys.argv[1])
+torch.save(dict(layer=t.trace_layer(device), dtypes=t.trace_dtypes(device), steps=steps), sys.argv[1])
 """
 
 
@@ -172,15 +172,22 @@ def test_hlo_has_float8_dots_with_float32_results_and_no_other_matmul(layer):
     ]
 
 
-def test_autocast_output_dtype_and_gradient_dtypes(xla_device):
-    lin = Float8Linear(32, 16, bias=True).to(xla_device)
-    x = torch.randn(2, 32, device=xla_device, requires_grad=True)
+def trace_dtypes(device) -> dict:
+    """Result and gradient dtypes of a Float8Linear (with bias) under bf16 autocast and without."""
+    lin = Float8Linear(32, 16, bias=True).to(device)
+    x = torch.randn(2, 32).to(device).requires_grad_()
     with torch.autocast("xla", dtype=torch.bfloat16):
         out = lin(x)
-    assert out.dtype == torch.bfloat16  # what nn.Linear gives under autocast
     out.float().sum().backward()
-    assert x.grad.dtype == lin.weight.grad.dtype == lin.bias.grad.dtype == torch.float32
-    assert lin(x).dtype == torch.float32
+    return dict(autocast=out.dtype, plain=lin(x).dtype, grad_x=x.grad.dtype,
+                grad_w=lin.weight.grad.dtype, grad_b=lin.bias.grad.dtype)
+
+
+def test_autocast_output_dtype_and_gradient_dtypes(traces):
+    dtypes = traces["dtypes"]
+    assert dtypes["autocast"] == torch.bfloat16  # what nn.Linear gives under autocast
+    assert dtypes["plain"] == torch.float32
+    assert dtypes["grad_x"] == dtypes["grad_w"] == dtypes["grad_b"] == torch.float32
 
 
 # ---- the model: conversion, state dict, checkpointing ------------------------------------------
