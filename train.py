@@ -103,7 +103,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
     # sync below, so the shardings given by parallelize apply to the init computation itself.
     model.to_empty(device=device)
-    parallelize_llama(model, mesh, parallel_dims, job_config)
+    parallelize_llama(model, mesh, parallel_dims, job_config, xr.device_type())
     model.init_weights()
     model.train()
 

@@ -113,9 +113,9 @@ from torchtitan_xla.utils import compile_stats
 captured = {{}}
 real_parallelize, real_build_optimizer = parallelisms_module.parallelize_llama, optimizer_module.build_optimizer
 
-def parallelize(model, mesh, parallel_dims, job_config):
+def parallelize(model, mesh, *args, **kwargs):
     captured.update(model=model, mesh=mesh)
-    return real_parallelize(model, mesh, parallel_dims, job_config)
+    return real_parallelize(model, mesh, *args, **kwargs)
 
 def build_optimizer(model, job_config):
     captured["optimizer"] = real_build_optimizer(model, job_config)

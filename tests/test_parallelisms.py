@@ -39,6 +39,8 @@ ONE_DEVICE = {
     "scan": ["--training.local_batch_size", "8", "--compile.scan_layers"],
     "scan_op": ["--training.local_batch_size", "8", "--compile.scan_layers", AC + "mode",
                 "selective", AC + "selective_ac_option", "op"],
+    # A Pallas kernel asked for on CPU falls back to sdpa (one warning): the same graph.
+    "flash_on_cpu": ["--training.local_batch_size", "8", "--model.attention", "flash"],
     # Gradient accumulation: 2 microbatches of 4 = one batch of 8.
     "accumulate_2x4": ["--training.local_batch_size", "4", "--training.global_batch_size", "8"],
 }
@@ -124,7 +126,7 @@ def test_sharding_strings_match_the_reference_layouts(eight_devices):
 def test_activation_checkpointing_scan_and_accumulation_keep_the_losses(mode, one_device):
     reference = one_device["none"]["losses"]
     losses = one_device[mode]["losses"]
-    if mode in ("full", "selective_2", "selective_op"):
+    if mode in ("full", "selective_2", "selective_op", "flash_on_cpu"):
         assert losses == reference  # recomputation is bit-identical here
     else:
         # scan fuses the block differently; accumulation sums two half-batch means:
@@ -284,3 +286,27 @@ def test_tpu_mesh_uses_hybrid_mesh(monkeypatch):
                          axis_names=("dp_replicate", "fsdp", "tp"))
     with pytest.raises(ConfigError, match=r"num_slices is 1, but the TPU runtime sees 2 slice"):
         _dims([], 8).build_mesh("TPU")
+
+
+def test_pallas_attention_swaps_modules_only_on_tpu():
+    from torchtitan_xla.logging import logger
+    from torchtitan_xla.models.llama import ModelArgs, Transformer
+    from torchtitan_xla.parallelisms.parallelize_llama import PallasAttention, apply_attention_kernel
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=64, multiple_of=32))
+    records = []
+    handler = __import__("logging").Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        apply_attention_kernel(model, "splash", mesh=None, device_type="CPU")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "[model] attention = 'splash': torch_xla's Pallas kernels run only on TPU; this CPU run uses sdpa"]
+    assert not any(isinstance(m, PallasAttention) for m in model.modules())
+    apply_attention_kernel(model, "flash", mesh="mesh", device_type="TPU")
+    kernels = [b.attention.sdpa for b in model.layers.values()]
+    assert all(isinstance(k, PallasAttention) and k.kind == "flash" for k in kernels)
+    assert kernels[0].spec == (("dp_replicate", "fsdp"), "tp", None, None)

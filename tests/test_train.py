@@ -10,7 +10,6 @@ import torchtitan_xla.optimizer
 from torchtitan_xla.config_manager import parse_args
 from torchtitan_xla.logging import logger
 
-
 # The debug model cut to 2 blocks: the same code paths, compiles 4x faster.
 TWO_BLOCKS = {"n_layers": 2}
 

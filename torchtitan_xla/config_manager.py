@@ -58,6 +58,9 @@ class Job:
 class Model:
     name: Literal["llama2", "llama3"] = opt("llama3", "Model family.")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
+    attention: Literal["sdpa", "flash", "splash"] = opt(
+        "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); flash or splash (torch_xla's "
+        "Pallas kernels, TPU only: elsewhere the run falls back to sdpa with one warning).")
     tokenizer_path: str = opt(
         "",
         "Tokenizer file: a tiktoken BPE rank file (Llama 3) or a sentencepiece model (Llama 2). "

@@ -127,6 +127,50 @@ def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
                     f"{parallel_dims.dp_shard} and stay replicated: {', '.join(unsharded[:4])}...")
 
 
+# ---- attention kernels -------------------------------------------------------------------------
+
+
+class PallasAttention(nn.Module):
+    """torch_xla's Pallas flash or splash attention (TPU only), sharded like the heads: batch over
+    the data-parallel axes, heads over `tp`. Replaces a block's `attention.sdpa` module."""
+
+    def __init__(self, kind: str, mesh, spec: Spec):
+        super().__init__()
+        self.kind, self.mesh, self.spec = kind, mesh, spec
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        if self.kind == "flash":
+            from torch_xla.experimental.custom_kernel import flash_attention
+
+            return flash_attention(q, k, v, causal=True, sm_scale=scale, partition_spec=self.spec,
+                                   mesh=self.mesh)
+        from torch_xla.experimental.splash_attention import SplashAttentionConfig, splash_attention
+
+        block = min(2048, q.shape[-2])  # the kernel's default blocks, capped at the sequence
+        blocks = {f: block for f in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+                                     "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq",
+                                     "sa_block_kv_dq")}
+        config = SplashAttentionConfig(mesh=str(self.mesh), qkv_partition_spec=self.spec,
+                                       segment_ids_partition_spec=(self.spec[0], None), **blocks)
+        # The splash kernel does not scale the scores itself.
+        return splash_attention(q * scale, k, v, config.to_json(), causal=True)
+
+
+def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:
+    """Swap every block's attention for a Pallas kernel (`model.attention` = flash / splash)."""
+    if kind == "sdpa":
+        return
+    if device_type != "TPU":
+        logger.warning(f"[model] attention = {kind!r}: torch_xla's Pallas kernels run only on TPU; "
+                       f"this {device_type} run uses sdpa")
+        return
+    spec = (BATCH_AXES, "tp", None, None)  # [batch, heads, seq, head_dim]
+    for block in model.layers.values():
+        block.attention.sdpa = PallasAttention(kind, mesh, spec)
+    logger.info(f"Attention: Pallas {kind} attention kernel (not verified on TPU by this project)")
+
+
 # ---- activation checkpointing ----------------------------------------------------------------
 
 
@@ -241,7 +285,8 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
 
 def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
-                      job_config: JobConfig) -> nn.Module:
+                      job_config: JobConfig, device_type: str = "CPU") -> nn.Module:
+    apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
     if parallel_dims.tp > 1:
         apply_tp(model, mesh, parallel_dims)
     ac = job_config.activation_checkpoint
