@@ -17,6 +17,14 @@ _has_modules() {
     "$@" >/dev/null 2>&1
 }
 
+# torch_xla 2.9's wheel carries its own older copy of torchax (0.0.6) in the same top-level
+# `torchax/` directory as the torchax wheel, and whichever pip unpacks last wins. With the old copy,
+# scan_layers (call_jax under SPMD) dies with SIGSEGV, so the pinned torchax goes back on top.
+_restore_torchax() {
+  "$PY" -m pip install --quiet --force-reinstall --no-deps \
+    "$("$PY" "$_TTX_REPO/scripts/requirements.py" | grep '^torchax')"
+}
+
 setup_python() {
   local extras="${1:-}"
   local base="${PYTHON:-python3}"
@@ -32,6 +40,7 @@ setup_python() {
       echo "[setup] adding torchtitan_xla to $PY (torch and torch_xla left as they are)" >&2
       "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
       "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude torch torch_xla)
+      _restore_torchax
     fi
     return 0
   fi
@@ -46,6 +55,7 @@ setup_python() {
          "torch pulls ~3 GB of wheels)" >&2
     "$PY" -m pip install --quiet --upgrade pip
     "$PY" -m pip install --quiet -e "$spec"
+    _restore_torchax
     rm -f "$_TTX_REPO"/.venv/.installed-*
     touch "$_TTX_REPO/.venv/.installed-$stamp_id"
     # a dev install also satisfies the base install

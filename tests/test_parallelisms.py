@@ -310,3 +310,19 @@ def test_pallas_attention_swaps_modules_only_on_tpu():
     kernels = [b.attention.sdpa for b in model.layers.values()]
     assert all(isinstance(k, PallasAttention) and k.kind == "flash" for k in kernels)
     assert kernels[0].spec == (("dp_replicate", "fsdp"), "tp", None, None)
+
+
+def test_scan_refuses_torchax_files_overwritten_by_torch_xla(monkeypatch):
+    """torch_xla's wheel bundles an old torchax into the same directory; with it scan_layers dies
+    with SIGSEGV. The check turns that into one line with the fix (and passes on this install)."""
+    import importlib.metadata
+    import types
+
+    from torchtitan_xla.parallelisms.parallelize_llama import check_torchax
+
+    installed = importlib.metadata.version("torchax")
+    check_torchax()  # the environment the suite runs in has the right files
+    monkeypatch.setitem(sys.modules, "torchax", types.SimpleNamespace(__version__="0.0.6"))
+    with pytest.raises(ConfigError, match=rf"found: 0\.0\.6\); restore them with: pip install "
+                                          rf"--force-reinstall --no-deps torchax=={installed}"):
+        check_torchax()

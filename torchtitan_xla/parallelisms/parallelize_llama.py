@@ -15,7 +15,7 @@ import types
 import torch
 from torch import nn
 
-from torchtitan_xla.config_manager import ActivationCheckpoint, JobConfig
+from torchtitan_xla.config_manager import ActivationCheckpoint, ConfigError, JobConfig
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
@@ -263,6 +263,31 @@ class _CarryRope(nn.Module):
         return self.block(h, cos, sin), cos, sin
 
 
+def check_torchax() -> None:
+    """scan_layers reaches JAX through torchax. torch_xla 2.9's wheel ships an older torchax (0.0.6)
+    into the same `torchax/` directory as the torchax wheel; if torch_xla was unpacked last, the
+    installed metadata says one version while the old files run, and the scan crashes the process
+    (SIGSEGV) instead of raising. Refuse up front with the fix."""
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version("torchax")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("compile.scan_layers = true needs jax and torchax: pip install "
+                          "'torch_xla[pallas]==2.9.0' torchax==0.0.13") from None
+    try:
+        import torchax
+
+        on_disk = torchax.__version__
+    except ImportError as e:  # torch_xla's old copy imports flax, which is not installed
+        on_disk = f"unimportable ({e})"
+    if on_disk != installed:
+        raise ConfigError(
+            f"compile.scan_layers = true: the torchax files on disk are not the torchax {installed} "
+            f"pip installed (torch_xla's wheel overwrote them; found: {on_disk}); restore them with: "
+            f"pip install --force-reinstall --no-deps torchax=={installed}")
+
+
 def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     """Run the blocks as one XLA while loop over their stacked weights (torch_xla's scan_layers):
     one block is traced and compiled whatever the depth. Activation checkpointing then happens
@@ -271,6 +296,8 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     rejects other modes with scan."""
     from functorch.compile import default_partition, min_cut_rematerialization_partition
     from torch_xla.experimental.scan_layers import scan_layers
+
+    check_torchax()
 
     partition_fn = default_partition if cfg.mode == "none" else min_cut_rematerialization_partition
     # Created once: scan caches the traced block by the identity of the first one.
