@@ -1,38 +1,48 @@
-"""Debug-model training throughput on this machine: train.py's XLA step against a plain eager
-PyTorch loop of the same model on the CPU, with MFU against the XLA fp32 matmul peak measured in
-the same run.
+"""Training throughput on this machine: train.py's XLA step against a plain eager PyTorch loop of
+the same model on the CPU, alternating in one process pair, with MFU against the XLA fp32 matmul
+peak measured in the same rounds.
 
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=1 python bench/bench_train.py [--steps 40] [--batch 4] [--seq-len 256]
+    python bench/bench_train.py                       # debug model: batch 4 x seq 256, fp32
+    python bench/bench_train.py --preset 100m --skip-eager --rounds 5
 
-Both loops train the same model (debug flavor, fp32, no activation checkpointing) on the same
-batches with AdamW and gradient clipping. Reported step times are medians over the steady steps.
+Two worker processes start and warm up (the XLA one compiles); then each round runs
+`--steps-per-round` steps in one worker, then in the other (the order flips every round), so
+both see the same machine load. Reported: medians over the rounds of the mean step time of each
+round, the ratio of tokens/s, MFU against the median matmul peak (measured by the XLA worker at
+the start of each of its rounds), and XLA compiles after warm-up (must be 0).
+
+The XLA worker runs `train.main` itself: each round is a fresh job of 2 x steps-per-round steps
+whose second half is timed (`metrics.log_freq` = steps-per-round: one host sync per half, as a
+real run logs), so tracing of the next step overlaps execution of the previous one exactly as in
+training. The eager worker trains the same model (same init, AdamW, clipping, same batches) with
+the loop a PyTorch user would write.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.setdefault("CPU_NUM_DEVICES", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+PRESETS = {
+    # The debug model as issue 9 measured it before any project code existed.
+    "debug": dict(batch=4, seq_len=256, overrides={}),
+    # ~100M parameters (85M without embeddings with the debug tokenizer's 2,256 ids).
+    "100m": dict(batch=1, seq_len=1024, overrides=dict(dim=768, n_layers=12, n_heads=12)),
+}
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-
-def xla_matmul_peak(n: int = 2048, reps: int = 8, trials: int = 5) -> float:
+def xla_matmul_peak(n: int = 2048, reps: int = 8, trials: int = 3) -> float:
     """fp32 FLOP/s of the XLA CPU backend on large square matmuls (one graph of `reps` matmuls)."""
+    import torch
     import torch_xla
-    import torch_xla.runtime as xr
 
-    xr.use_spmd()  # as train.py does, before any XLA tensor exists
     dev = torch_xla.device()
     a = torch.randn(n, n, device=dev)
     bs = [torch.randn(n, n, device=dev) for _ in range(reps)]
@@ -52,80 +62,166 @@ def xla_matmul_peak(n: int = 2048, reps: int = 8, trials: int = 5) -> float:
     return 2 * n**3 * reps / min(times)
 
 
-def eager_step_times(args, steps: int, batch: int, seq_len: int, lr: float, max_norm: float):
-    """The same model and update in plain eager PyTorch on the CPU device."""
+def train_args(opts) -> list[str]:
+    return ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+            "--job.dump_folder", "/tmp/ttx-bench", "--job.no-print_config",
+            "--training.local_batch_size", str(opts.batch), "--training.seq_len", str(opts.seq_len),
+            "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
+            *opts.train_args]
+
+
+def xla_worker(opts) -> None:
+    """Each round: the matmul peak, then a fresh train.main job; prints seconds/step of its
+    second half, compiles during the round and the peak."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ.setdefault("CPU_NUM_DEVICES", "1")
+    import torch_xla.runtime as xr
+
+    import train
+    from torchtitan_xla.config_manager import parse_args
+    from torchtitan_xla.logging import logger
+    from torchtitan_xla.utils import compile_stats
+
+    xr.use_spmd()  # as train.py does, before any XLA tensor exists
+    n = opts.steps_per_round
+    cfg = parse_args(train_args(opts) + ["--training.steps", str(2 * n), "--metrics.log_freq", str(n)])
+
+    def round_() -> dict:
+        peak = xla_matmul_peak()
+        before = compile_stats()[0]
+        history = train.main(cfg, model_overrides=opts.overrides)
+        return dict(step_time=history[-1].step_time, compiles=compile_stats()[0] - before,
+                    peak=peak, loss=history[-1].loss)
+
+    round_()  # warm-up: compiles every graph once
+    logger.disabled = True
+    serve(round_)
+
+
+def eager_worker(opts) -> None:
+    import torch
+    import torch.nn.functional as F
+
     from torchtitan_xla.datasets import build_tokenizer
     from torchtitan_xla.datasets.text_datasets import PackedTextDataset, load_documents
+    from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
 
+    cfg_lr, max_norm = 8e-4, 1.0  # debug_model.toml's optimizer.lr and training.max_norm
+    tokenizer = build_tokenizer("")
+    args = get_model_args("llama3", "debugmodel", vocab_size=tokenizer.n_words,
+                          max_seq_len=opts.seq_len, **opts.overrides)
+    data = iter(torch.utils.data.DataLoader(PackedTextDataset(
+        load_documents("python_docs", ""), tokenizer, opts.seq_len), batch_size=opts.batch))
+    batches = [next(data) for _ in range(opts.steps_per_round)]  # the loop times steps, not data
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    data = iter(torch.utils.data.DataLoader(PackedTextDataset(
-        load_documents("python_docs", ""), build_tokenizer(""), seq_len), batch_size=batch))
-    times = []
-    for _ in range(steps):
-        inputs, labels = next(data)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg_lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def round_() -> dict:
         t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(0, 1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        times.append(time.perf_counter() - t)
-    return times
+        for inputs, labels in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(0, 1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+        return dict(step_time=(time.perf_counter() - t) / len(batches), loss=loss.item())
+
+    round_()  # warm-up: allocator, oneDNN/MKL kernels
+    serve(round_)
+
+
+def serve(round_) -> None:
+    """Worker protocol: READY once warm; then one JSON line per 'go' line on stdin."""
+    out = sys.__stdout__
+    print("READY", file=out, flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(round_()), file=out, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    ap.add_argument("--preset", choices=PRESETS, default="debug")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps-per-round", type=int, default=6)
+    ap.add_argument("--batch", type=int, help="override the preset's batch size")
+    ap.add_argument("--seq-len", type=int, help="override the preset's sequence length")
     ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--worker", choices=["xla", "eager"], help=argparse.SUPPRESS)
+    ap.add_argument("--overrides", type=json.loads, help=argparse.SUPPRESS)
+    ap.add_argument("train_args", nargs="*", help="extra train.py options for the XLA worker "
+                    "(after --), e.g. -- --model.attention sdpa")
     opts = ap.parse_args()
+    preset = PRESETS[opts.preset]
+    opts.batch = opts.batch or preset["batch"]
+    opts.seq_len = opts.seq_len or preset["seq_len"]
+    if opts.overrides is None:
+        opts.overrides = preset["overrides"]
+    sys.path.insert(0, str(REPO))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if opts.worker == "xla":
+        return xla_worker(opts)
+    if opts.worker == "eager":
+        return eager_worker(opts)
 
-    import train
-    from torchtitan_xla.config_manager import parse_args
+    kinds = ["xla"] + ([] if opts.skip_eager else ["eager"])
+    workers = {}
+    for kind in kinds:
+        cmd = [sys.executable, __file__, "--worker", kind, "--batch", str(opts.batch),
+               "--seq-len", str(opts.seq_len), "--steps-per-round", str(opts.steps_per_round),
+               "--overrides", json.dumps(opts.overrides), "--", *opts.train_args]
+        workers[kind] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        if workers[kind].stdout.readline().strip() != "READY":
+            sys.exit(f"{kind} worker failed to start: run it alone with --worker {kind}")
+    results = {kind: [] for kind in kinds}
+    for r in range(opts.rounds):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            workers[kind].stdin.write("go\n")
+            workers[kind].stdin.flush()
+            results[kind].append(json.loads(workers[kind].stdout.readline()))
+    for w in workers.values():
+        w.stdin.close()
+        w.wait()
+
     from torchtitan_xla.datasets import build_tokenizer
     from torchtitan_xla.metrics import num_flops_per_token
     from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
 
-    peak = xla_matmul_peak()
-    cfg = parse_args([
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--job.dump_folder", "/tmp/ttx-bench", "--job.no-print_config",
-        "--training.local_batch_size", str(opts.batch), "--training.seq_len", str(opts.seq_len),
-        "--training.steps", str(opts.steps), "--training.mixed_precision_param", "float32",
-        "--metrics.log_freq", "1",
-        # The CPU has no table entry: the log line's MFU is against the peak measured above.
-        "--metrics.peak_flops", str(peak)])
-    history = train.main(cfg)
-    xla_times = [s.step_time for s in history[opts.warmup:]]
+    import torch
 
     args = get_model_args("llama3", "debugmodel", vocab_size=build_tokenizer("").n_words,
-                          max_seq_len=opts.seq_len)
+                          max_seq_len=opts.seq_len, **opts.overrides)
     with torch.device("meta"):
-        n_params = Transformer(args).num_params(exclude_embedding=True)
-    flops_per_step = num_flops_per_token(args, n_params, opts.seq_len) * opts.batch * opts.seq_len
+        model = Transformer(args)
+    n_params = model.num_params(exclude_embedding=True)
     tokens = opts.batch * opts.seq_len
-
-    rows = [("XLA (train.py)", statistics.median(xla_times))]
-    if not opts.skip_eager:
-        eager = eager_step_times(args, opts.steps, opts.batch, opts.seq_len, cfg.optimizer.lr,
-                                 cfg.training.max_norm)
-        rows.append(("eager PyTorch CPU", statistics.median(eager[opts.warmup:])))
-    print(f"\nmachine: {os.cpu_count()} cores; torch {torch.__version__}; "
-          f"XLA fp32 matmul peak {peak / 1e9:.0f} GFLOP/s (measured)")
-    print(f"debug model, fp32, batch {opts.batch} x seq {opts.seq_len}, "
-          f"{flops_per_step / 1e9:.1f} GFLOP per step (6N + 12LHQT)")
-    print(f"{'loop':<20} {'step (ms)':>10} {'tokens/s':>10} {'MFU vs XLA peak':>16}")
-    for name, t in rows:
-        print(f"{name:<20} {t * 1e3:>10.1f} {tokens / t:>10.0f} {100 * flops_per_step / t / peak:>15.1f}%")
-    if len(rows) == 2:
-        print(f"XLA / eager tokens/s: {rows[1][1] / rows[0][1]:.2f}x")
+    flops = num_flops_per_token(args, n_params, opts.seq_len) * tokens
+    peaks = [r["peak"] for r in results["xla"]]
+    peak = statistics.median(peaks)
+    print(f"machine: {os.cpu_count()} cores; torch {torch.__version__}; XLA fp32 matmul peak "
+          f"{peak / 1e9:.0f} GFLOP/s (median of rounds; range {min(peaks) / 1e9:.0f}-"
+          f"{max(peaks) / 1e9:.0f})")
+    print(f"model: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "
+          f"{n_params / 1e6:.1f}M parameters without embeddings; fp32, batch {opts.batch} x seq "
+          f"{opts.seq_len}; {flops / 1e9:.1f} GFLOP per step (6N + 12LHQT)")
+    print(f"{opts.rounds} rounds x {opts.steps_per_round} steps, alternating"
+          + (f"; train.py options: {' '.join(opts.train_args)}" if opts.train_args else ""))
+    print(f"{'loop':<22} {'step (ms)':>10} {'tokens/s':>10} {'MFU':>6}   rounds (ms)")
+    medians = {}
+    for kind in kinds:
+        times = [r["step_time"] for r in results[kind]]
+        medians[kind] = t = statistics.median(times)
+        name = "XLA (train.py)" if kind == "xla" else "eager PyTorch CPU"
+        print(f"{name:<22} {t * 1e3:>10.1f} {tokens / t:>10.0f} {100 * flops / t / peak:>5.1f}%   "
+              + " ".join(f"{x * 1e3:.0f}" for x in times))
+    recompiles = sum(r["compiles"] for r in results["xla"])
+    print(f"XLA compiles after warm-up: {recompiles}")
+    if "eager" in medians:
+        print(f"XLA / eager tokens/s: {medians['eager'] / medians['xla']:.2f}x")
 
 
 if __name__ == "__main__":

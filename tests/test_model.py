@@ -8,6 +8,7 @@ import torch
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import ModelArgs, RopeScaling, Transformer
+from torchtitan_xla.models.llama.model import BlockwiseCausalAttention
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +81,8 @@ def test_hf_round_trip_is_exact():
         assert torch.equal(back[k], sd[k]), k
 
 
-def test_xla_float32_matches_float64_reference(xla_device):
+@pytest.mark.parametrize("attention", ["sdpa", "blockwise"])
+def test_xla_float32_matches_float64_reference(xla_device, attention):
     """The same model run by XLA (float32, CPU backend) against the float64 eager reference."""
     args = CASES["llama3.1"]
     ref = _ours(args)
@@ -88,11 +90,29 @@ def test_xla_float32_matches_float64_reference(xla_device):
     with torch.no_grad():
         expected = ref(tokens)
         model = Transformer(args)
+        if attention == "blockwise":
+            for block in model.layers.values():
+                block.attention.sdpa = BlockwiseCausalAttention()
         model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
         model.to(xla_device)
         got = model(tokens.to(xla_device)).cpu().double()
     # float32 through 2 layers with |logits| ~ 1: errors of a few 1e-6 expected.
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("seqlen", [1, 3, 48, 50])
+def test_blockwise_attention_equals_sdpa_float64(seqlen):
+    """Blockwise causal attention (query blocks against only their visible keys) is the same
+    function as causal SDPA, values and gradients, including lengths the blocks do not divide."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, seqlen, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = BlockwiseCausalAttention()(q, k, v)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(expected)
+    for g, e in zip(torch.autograd.grad(got, (q, k, v), grad_out),
+                    torch.autograd.grad(expected, (q, k, v), grad_out)):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
 
 
 def test_flavors_have_published_sizes():

@@ -58,9 +58,11 @@ class Job:
 class Model:
     name: Literal["llama2", "llama3"] = opt("llama3", "Model family.")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
-    attention: Literal["sdpa", "flash", "splash"] = opt(
-        "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); flash or splash (torch_xla's "
-        "Pallas kernels, TPU only: elsewhere the run falls back to sdpa with one warning).")
+    attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
+        "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
+        "in 4 query blocks that skip the masked keys, plain XLA ops: faster on the XLA CPU backend); "
+        "flash or splash (torch_xla's Pallas kernels, TPU only: elsewhere the run falls back to "
+        "sdpa with one warning).")
     tokenizer_path: str = opt(
         "",
         "Tokenizer file: a tiktoken BPE rank file (Llama 3) or a sentencepiece model (Llama 2). "

@@ -18,6 +18,7 @@ from torch import nn
 from torchtitan_xla.config_manager import ActivationCheckpoint, ConfigError, JobConfig
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
+from torchtitan_xla.models.llama.model import BlockwiseCausalAttention
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
 
 Spec = tuple  # a partition spec: one mesh-axis name (or a tuple of names, or None) per dimension
@@ -158,8 +159,14 @@ class PallasAttention(nn.Module):
 
 
 def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:
-    """Swap every block's attention for a Pallas kernel (`model.attention` = flash / splash)."""
+    """Swap every block's attention module (`model.attention`): blockwise anywhere, the Pallas
+    flash / splash kernels on TPU."""
     if kind == "sdpa":
+        return
+    if kind == "blockwise":
+        for block in model.layers.values():
+            block.attention.sdpa = BlockwiseCausalAttention()
+        logger.info("Attention: blockwise causal (4 query blocks)")
         return
     if device_type != "TPU":
         logger.warning(f"[model] attention = {kind!r}: torch_xla's Pallas kernels run only on TPU; "

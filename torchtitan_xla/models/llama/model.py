@@ -128,6 +128,35 @@ class ScaledDotProductAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class BlockwiseCausalAttention(nn.Module):
+    """The same causal attention computed in `blocks` query blocks, each against only the keys it
+    can see: block i of n needs keys [0, end_i), so (n - 1) / 2n of the score matrix (the masked
+    upper triangle) is never computed. Plain tensor ops: XLA lowers SDPA to full [seq, seq]
+    score, mask and softmax tensors on every backend, and on the XLA CPU backend these dominate
+    the step (docs/performance.md)."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seqlen = q.shape[-2]
+        n = min(self.blocks, seqlen)
+        bounds = [seqlen * i // n for i in range(n + 1)]
+        q = q * q.shape[-1] ** -0.5
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            scores = q[..., start:end, :] @ k[..., :end, :].transpose(-1, -2)
+            # Each block's mask is built from positions, not sliced from one [seq, seq] mask:
+            # under torch_xla 2.9 with a dispatch mode active (op-level selective checkpointing)
+            # 2-D slices of one mask tensor came back with wrong values.
+            above = (torch.arange(end, device=q.device)[None, :]
+                     > torch.arange(start, end, device=q.device)[:, None])
+            scores = scores.masked_fill(above, float("-inf"))  # never a whole row
+            outs.append(torch.softmax(scores, dim=-1) @ v[..., :end, :])
+        return torch.cat(outs, dim=-2)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
