@@ -102,12 +102,14 @@ def eager_worker(opts) -> None:
     import torch
     import torch.nn.functional as F
 
+    from torchtitan_xla.config_manager import parse_args
     from torchtitan_xla.datasets import build_tokenizer
     from torchtitan_xla.datasets.text_datasets import PackedTextDataset, load_documents
     from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
 
-    cfg_lr, max_norm = 8e-4, 1.0  # debug_model.toml's optimizer.lr and training.max_norm
+    cfg = parse_args(train_args(opts))  # the XLA worker's optimizer and clipping settings
+    max_norm = cfg.training.max_norm
     tokenizer = build_tokenizer("")
     args = get_model_args("llama3", "debugmodel", vocab_size=tokenizer.n_words,
                           max_seq_len=opts.seq_len, **opts.overrides)
@@ -117,7 +119,9 @@ def eager_worker(opts) -> None:
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay)
 
     def round_() -> dict:
         t = time.perf_counter()
