@@ -190,12 +190,12 @@ def main() -> None:
         w.stdin.close()
         w.wait()
 
+    import torch
+
     from torchtitan_xla.datasets import build_tokenizer
     from torchtitan_xla.metrics import num_flops_per_token
     from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
-
-    import torch
 
     args = get_model_args("llama3", "debugmodel", vocab_size=build_tokenizer("").n_words,
                           max_seq_len=opts.seq_len, **opts.overrides)
