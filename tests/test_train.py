@@ -116,3 +116,21 @@ def test_run_train_sh_resolves_bare_config_names_and_device_count(tmp_path):
     assert "mesh {'dp_replicate': 1, 'fsdp': 2, 'tp': 1}" in run.stderr
     assert (dump / "config.toml").exists()
     assert str(REPO)  # the script found train.py from any working directory
+
+
+@pytest.mark.parametrize("setting, functional", [(None, "False"), ("0", "True")])
+def test_train_py_turns_functionalization_off_unless_the_environment_says(setting, functional):
+    """train.py disables torch_xla's functionalization (it multiplies the host's per-step tracing
+    cost; docs/performance.md) before any XLA tensor exists; XLA_DISABLE_FUNCTIONALIZATION=0 in
+    the environment keeps it on."""
+    import subprocess
+    import sys
+
+    from helpers import _env
+
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import train, torch, torch_xla; "
+            f"print(torch._is_functional_tensor(torch.ones(1, device=torch_xla.device())))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=_env(1, {"XLA_DISABLE_FUNCTIONALIZATION": setting}), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == [functional]

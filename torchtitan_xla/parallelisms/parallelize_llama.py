@@ -79,6 +79,10 @@ def shard_param(param: torch.Tensor, mesh, spec: Spec) -> None:
     """Annotate `param` with `spec` and remember it, so later transforms can extend it."""
     import torch_xla.distributed.spmd as xs
 
+    if any(axis is not None for axis in partition_spec(param)):
+        # An earlier transform's annotation (FSDP extends TP's): torch_xla refuses to overwrite
+        # one without functionalization, which train.py turns off (torchtitan_xla/__init__.py).
+        xs.clear_sharding(param)
     if any(axis is not None for axis in spec):
         xs.mark_sharding(param, mesh, spec)
     param._partition_spec = spec
