@@ -108,7 +108,7 @@ def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
     assert sum("devices=" in original for original, _ in shardings) >= 3 * 2 * 9  # weights + Adam
     # The step-3 write ran after step 4 and still holds exactly the step-3 state: every tensor
     # (weights, Adam's moments and step counts, RNG states) equals a synchronous save's.
-    _, sync_log = run(tmp_path / "s", *mesh, devices=8)
+    run(tmp_path / "s", *mesh, devices=8)
     async_state = _all_tensors(tmp_path / "a" / "checkpoint" / "step-3")
     sync_state = _all_tensors(tmp_path / "s" / "checkpoint" / "step-3")
     assert async_state.keys() == sync_state.keys()
