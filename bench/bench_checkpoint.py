@@ -1,11 +1,15 @@
 """Checkpoint throughput against the disk, and how long the training loop is blocked by a save,
 synchronous vs asynchronous.
 
-    python bench/bench_checkpoint.py [--dim 1024] [--layers 8] [--folder /tmp/ttx-bench-ckpt]
+    python bench/bench_checkpoint.py [--dim 1024] [--layers 8] [--steps 24] [--interval 8]
+                                     [--folder /tmp/ttx-bench-ckpt]
 
-A model of about 100M parameters (debug flavor widened to `--dim`) trains a few steps on one XLA
-CPU device and saves every 2 steps (parameters + Adam state, float32: ~1.3 GB per checkpoint).
-Every number comes from train.py's own log lines ("written: X GB in Ys", "loop blocked Ys",
+A model of about 100M parameters (debug flavor widened to `--dim`) trains on one XLA CPU device
+and saves every `--interval` steps (parameters + Adam state, float32: ~1.3 GB per checkpoint),
+three times: without checkpoints, with synchronous saves, with asynchronous saves. The interval
+is long enough here for an async write to finish before the next save, so later async saves
+show the steady state (the log says when a save waited for the previous one). Every number
+comes from train.py's own log lines ("written: X GB in Ys", "loop blocked Ys", "step_time",
 "Resumed ... in Ys"); the disk's own sequential write speed (with fsync, as DCP writes) is
 measured in the same run on the same folder.
 """
@@ -62,43 +66,59 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--folder", type=Path, default=Path("/tmp/ttx-bench-ckpt"))
     opts = ap.parse_args()
     shutil.rmtree(opts.folder, ignore_errors=True)
     disk = disk_write_speed(opts.folder)
     overrides = {"dim": opts.dim, "n_layers": opts.layers, "n_heads": 16}
     base = ["--job.config_file", str(REPO / "train_configs/debug_model.toml"), "--job.no-print_config",
-            "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "6",
-            "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps",
+            str(opts.steps), "--metrics.log_freq", "1"]
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(opts.interval),
             "--checkpoint.keep_latest_k", "2"]
     results = {}
-    for mode in ("disabled", "async"):
+    for mode in ("none", "disabled", "async"):
         folder = opts.folder / mode
-        log = train(base + ["--job.dump_folder", str(folder), "--checkpoint.async_mode", mode], overrides)
+        extra = [] if mode == "none" else [*ckpt, "--checkpoint.async_mode", mode]
+        log = train(base + ["--job.dump_folder", str(folder), *extra], overrides)
         results[mode] = {
-            "blocked": floats(r"loop blocked ([0-9.]+)s", log),
+            # (seconds blocked, of which waiting for the previous save's write) per save
+            "blocked": [(float(b), float(w or 0)) for b, w in
+                        re.findall(r"loop blocked ([0-9.]+)s(?:, of which ([0-9.]+)s waiting)?", log)],
+            "to_host": floats(r"copied to host memory in ([0-9.]+)s", log),
             "written_gb": floats(r"written: ([0-9.]+) GB", log),
             "write_gbps": floats(r"written: [0-9.]+ GB in [0-9.]+s \(([0-9.]+) GB/s\)", log),
+            # Wall time of the loop after the first (compiling) step, saves included.
+            "loop": sum(floats(r"step_time: ([0-9.]+)s", log)[1:]),
         }
-        # Resume from the newest checkpoint: the load throughput.
-        (folder / "checkpoint" / "step-6").rename(folder / "checkpoint" / "step-6.moved")
-        log = train(base + ["--job.dump_folder", str(folder), "--training.steps", "5"], overrides)
-        results[mode]["load_gbps"] = floats(r"Resumed from .*\(([0-9.]+) GB/s\)", log)
-    sync, asyn = results["disabled"], results["async"]
+    # Resume from the newest async checkpoint: the load throughput.
+    folder = opts.folder / "async"
+    last = opts.folder / "async" / "checkpoint" / f"step-{opts.steps}"
+    last.rename(last.with_name(last.name + ".moved"))
+    log = train(base + ["--job.dump_folder", str(folder), *ckpt, "--training.steps", str(opts.steps - 1)],
+                overrides)
+    load = statistics.median(floats(r"Resumed from .*\(([0-9.]+) GB/s\)", log))
+    none, sync, asyn = results["none"], results["disabled"], results["async"]
     print(f"machine: {os.cpu_count()} cores; folder {opts.folder}; disk sequential write + fsync "
           f"{disk:.2f} GB/s (measured)")
     print(f"checkpoint: {statistics.mean(sync['written_gb']):.2f} GB (model dim {opts.dim}, "
-          f"{opts.layers} blocks, parameters + Adam state, float32)")
+          f"{opts.layers} blocks, parameters + Adam state, float32); {opts.steps} steps, a save every "
+          f"{opts.interval}")
     save = statistics.median(sync["write_gbps"])
-    load = statistics.median(sync["load_gbps"] + asyn["load_gbps"])
     print(f"save: {save:.2f} GB/s = {100 * save / disk:.0f}% of the disk's write speed")
     print(f"load: {load:.2f} GB/s (files likely still in the page cache)")
-    # The first save of each run: with async, later saves can also wait for the previous write
-    # when the save interval is shorter than a write (here it is, to keep the bench short).
-    b_sync, b_async = sync["blocked"][0], asyn["blocked"][0]
-    print(f"loop blocked by the first save: sync {b_sync:.2f}s, async {b_async:.2f}s "
-          f"({100 * b_async / b_sync:.0f}% of sync); all saves: sync {sync['blocked']}, "
-          f"async {asyn['blocked']}")
+    ref = statistics.median(b for b, _ in sync["blocked"])
+    print(f"loop blocked by each save: sync {[b for b, _ in sync['blocked']]}, async "
+          f"{[b for b, _ in asyn['blocked']]}, of which waiting for the previous write "
+          f"{[w for _, w in asyn['blocked']]}")
+    print(f"async vs the median sync save ({ref:.2f}s): "
+          + ", ".join(f"{100 * b / ref:.0f}%" for b, _ in asyn["blocked"])
+          + "; without the waiting: " + ", ".join(f"{100 * (b - w) / ref:.0f}%" for b, w in asyn["blocked"]))
+    print(f"async background copy to host memory: {asyn['to_host']} s")
+    print(f"loop time of steps 2..{opts.steps}, saves included: no checkpoint {none['loop']:.1f}s, "
+          f"sync {sync['loop']:.1f}s, async {asyn['loop']:.1f}s")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ path is the same, compiles are faster); runs are 6 steps with a checkpoint every
 """
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -57,17 +58,69 @@ def test_resume_in_a_new_process_is_bit_exact_on_one_device(straight, tmp_path):
     assert resumed == {s: losses[s] for s in (4, 5, 6)}  # identical floats
 
 
-def test_resume_is_bit_exact_on_fsdp4_tp2_with_async_saves(tmp_path):
-    mesh = ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2",
-            "--checkpoint.async_mode", "async"]
-    losses, log = run(tmp_path / "a", *mesh, devices=8)
+# The step-3 async write starts only once the loop has finished step 4, whose update donated the
+# step-3 buffers of the parameters and of Adam's state (and incremented Adam's host-side `step`).
+# Also reports the sharding of every XLA tensor in the device snapshot next to its original's.
+DELAYED_ASYNC_WRITE = """
+import json, sys, time
+import torch, torch_xla
+from torch.utils._pytree import tree_flatten
+import torchtitan_xla.checkpoint as ckpt
+_write_snapshot, _device_snapshot = ckpt.CheckpointManager._write_snapshot, ckpt._device_snapshot
+def write_snapshot(self, step, snapshot, model_only):
+    while step == 3 and self.train_state.step < 4:
+        time.sleep(0.05)
+    print(f"WRITE step-{step} after step {self.train_state.step}", file=sys.stderr, flush=True)
+    _write_snapshot(self, step, snapshot, model_only)
+def device_snapshot(states):
+    copy = _device_snapshot(states)
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    pairs = [(spec(a), spec(b)) for a, b in zip(tree_flatten(states)[0], tree_flatten(copy)[0])
+             if isinstance(a, torch.Tensor) and a.device.type == "xla"]
+    print("SNAPSHOT SHARDINGS " + json.dumps(pairs), file=sys.stderr, flush=True)
+    return copy
+ckpt.CheckpointManager._write_snapshot, ckpt._device_snapshot = write_snapshot, device_snapshot
+"""
+
+
+def _all_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint step (model, optimizer, RNG states), whole, on the host."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype)
+               for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
+    return tensors
+
+
+def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
+    mesh = ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
+    losses, log = run(tmp_path / "a", *mesh, "--checkpoint.async_mode", "async", devices=8,
+                      prelude=DELAYED_ASYNC_WRITE)
     assert "Checkpoint step-3: staged" in log and "loop blocked" in log
+    assert int(re.search(r"WRITE step-3 after step (\d+)", log).group(1)) >= 4
+    # The snapshot is sharded like the state (each host writes only its own shards).
+    shardings = json.loads(next(ln for ln in log.splitlines() if ln.startswith("SNAPSHOT SHARDINGS "))
+                           .split(" ", 2)[2])
+    assert all(original == copy for original, copy in shardings)
+    assert sum("devices=" in original for original, _ in shardings) >= 3 * 2 * 9  # weights + Adam
+    # The step-3 write ran after step 4 and still holds exactly the step-3 state: every tensor
+    # (weights, Adam's moments and step counts, RNG states) equals a synchronous save's.
+    run(tmp_path / "s", *mesh, devices=8)
+    async_state = _all_tensors(tmp_path / "a" / "checkpoint" / "step-3")
+    sync_state = _all_tensors(tmp_path / "s" / "checkpoint" / "step-3")
+    assert async_state.keys() == sync_state.keys()
+    assert sum(k.endswith(".step") for k in async_state) == 2 + 2 * 9 + 1
+    assert all(torch.equal(async_state[k], sync_state[k]) for k in sync_state), \
+        [k for k in sync_state if not torch.equal(async_state[k], sync_state[k])]
     # Every parameter is in the checkpoint, also the norms, which are replicated over tp (torch_xla's
     # planner alone drops such tensors: see checkpoint._save_planner).
     state, _ = read_model_state(tmp_path / "a" / "checkpoint" / "step-3")
     assert len(state) == 2 + 2 * 9 + 1 and "layers.1.ffn_norm.weight" in state
     resumed_folder = _copy_up_to(tmp_path / "a", tmp_path / "b", 3)
-    resumed, _ = run(resumed_folder, *mesh, devices=8)
+    resumed, _ = run(resumed_folder, *mesh, "--checkpoint.async_mode", "async", devices=8)
     assert resumed == {s: losses[s] for s in (4, 5, 6)}
 
 

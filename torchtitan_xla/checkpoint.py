@@ -135,6 +135,52 @@ def verify(path: Path) -> dict[str, Any]:
     return record
 
 
+def _materialise() -> None:
+    """Run every pending computation (the step, the snapshot) and wait for it."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    xm.wait_device_ops()
+
+
+def _host_copy(states: dict[str, Any]) -> dict[str, Any]:
+    """`states` (materialised) with this host's shards of every XLA tensor copied to host memory
+    in one batch (torch_xla's helper for async checkpointing), so writing needs no device access.
+
+    Safe on a background thread while the loop traces and runs the next step, because it only
+    transfers buffers: sharded tensors shard by shard, replicated ones from their first copy. It
+    must stay that way (torch_xla 2.9, FSDP x TP on 8 devices, write overlapping later steps): a
+    sync on the writer thread broke the training thread's step in 3 of 11 runs ("Check failed:
+    tensor_data" while tracing), and whole-tensor transfers of sharded tensors compiled gather
+    graphs there in 6 of 6 (caught by the loop's recompile check)."""
+    from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+    return _sharded_cpu_state_dict(states)
+
+
+def _device_snapshot(states: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `states` the training loop cannot change: every XLA tensor cloned into new device
+    buffers (XLA keeps each one's sharding, so every host still writes only its own shards),
+    every host tensor cloned (Adam's `step` is a host tensor the next step increments in place),
+    the containers rebuilt.
+
+    Why copy on the device: each step donates the buffers of the parameters and the optimizer
+    state to its outputs, so the step-N buffers stop existing while step N+1 runs; a copy to the
+    host, the alternative, blocks for the whole transfer. The clone costs one memcpy of the state
+    on the device (at HBM bandwidth on a TPU) and holds a second copy of it in device memory until
+    the background thread has moved it to the host."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat, spec = tree_flatten(states)
+    with torch.no_grad():
+        copies = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat]
+    # A clone is lazy: until materialised it still reads the original's buffer, which the next
+    # step donates. This makes the copies (and fails here if the device cannot hold them).
+    _materialise()
+    return tree_unflatten(copies, spec)
+
+
 def _loader_key(host_rank: int) -> str:
     return f"dataloader/host_{host_rank}"
 
@@ -200,30 +246,35 @@ class CheckpointManager:
     def save(self, step: int, *, model_only: bool = False) -> float:
         """Save the state after `step` (only the weights, in export_dtype, with `model_only`);
         returns the seconds the training loop was blocked."""
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-
         start = time.perf_counter()
         self.wait()  # one save at a time; time spent here counts as blocked
+        waited = time.perf_counter() - start
         states = self._states(model_only)
         if model_only and self.cfg.export_dtype != "float32":
             dtype = getattr(torch, self.cfg.export_dtype)
             states["model"] = {k: v.to(dtype) for k, v in states["model"].items()}
-        torch_xla.sync()
-        xm.wait_device_ops()
-        # Copy this host's shards to host memory in one batch (torch_xla's helper for async
-        # checkpointing); writing then needs no device access, in the foreground or background.
-        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
-
-        staged = _sharded_cpu_state_dict(states)
         if self._executor is None:
-            self._write(step, staged, model_only)
+            _materialise()
+            self._write(step, _host_copy(states), model_only)
         else:
-            self._pending = self._executor.submit(self._write, step, staged, model_only)
+            # Only the device-side snapshot blocks the loop; the copy to host memory and the
+            # write run in the background while training continues.
+            snapshot = [_device_snapshot(states)]
+            self._pending = self._executor.submit(self._write_snapshot, step, snapshot, model_only)
         blocked = time.perf_counter() - start
+        # Waiting means saves come faster than they are written: the interval is too short.
+        waited = f", of which {waited:.2f}s waiting for the previous save" if waited >= 0.01 else ""
         logger.info(f"Checkpoint step-{step}: {'staged' if self._executor else 'saved'}"
-                    f"{' (model only)' if model_only else ''}, loop blocked {blocked:.2f}s")
+                    f"{' (model only)' if model_only else ''}, loop blocked {blocked:.2f}s{waited}")
         return blocked
+
+    def _write_snapshot(self, step: int, snapshot: list[dict[str, Any]], model_only: bool) -> None:
+        start = time.perf_counter()
+        # Popped, so the device copy is freed as soon as the host has its own, not after the
+        # (longer) disk write.
+        staged = _host_copy(snapshot.pop())
+        logger.info(f"Checkpoint step-{step}: copied to host memory in {time.perf_counter() - start:.2f}s")
+        self._write(step, staged, model_only)
 
     def _write(self, step: int, states: dict[str, Any], model_only: bool) -> None:
         import torch.distributed.checkpoint as dcp
