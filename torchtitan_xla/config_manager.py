@@ -143,8 +143,9 @@ class Checkpoint:
     folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder; holds step-<N> folders.")
     interval: int = opt(500, "Save every this many steps (and after the last step).", gt=0)
     async_mode: Literal["disabled", "async"] = opt(
-        "disabled", "async: copy the state to host memory, then write it in the background while "
-        "training continues.")
+        "disabled", "async: copy the state on the device (the loop waits only for that), then move "
+        "it to host memory and write it in the background while training continues; needs device "
+        "memory for a second copy of the saved state until it reaches the host.")
     keep_latest_k: int = opt(
         10, "Keep this many newest checkpoints (0: all). Old ones are deleted only after a newer "
         "one is complete.", ge=0)
