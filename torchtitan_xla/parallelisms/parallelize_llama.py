@@ -81,7 +81,7 @@ def shard_param(param: torch.Tensor, mesh, spec: Spec) -> None:
 
     if any(axis is not None for axis in partition_spec(param)):
         # An earlier transform's annotation (FSDP extends TP's): torch_xla refuses to overwrite
-        # one without functionalization, which train.py turns off (torchtitan_xla/__init__.py).
+        # one without functionalization, which train.py turns off.
         xs.clear_sharding(param)
     if any(axis is not None for axis in spec):
         xs.mark_sharding(param, mesh, spec)
