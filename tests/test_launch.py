@@ -218,7 +218,7 @@ def run_script(args: list[str], env: dict[str, str], script: str = "run_train.sh
     """run_train.sh with only the given launcher variables (none inherited from this shell)."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "MASTER_", "TPU_", "MEGASCALE_",
-                                 "CPU_NUM_DEVICES", "PJRT_DEVICE"))}
+                                 "CPU_NUM_DEVICES", "PJRT_", "XLA_", "LIBTPU_"))}
     base |= {"PYTHON": sys.executable, **env}
     return subprocess.run([str(REPO / script), *args], capture_output=True, text=True, env=base,
                           cwd=REPO, timeout=120)
