@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GSPMD notice
 # Lazy tensors retrace the whole step on the host every step, and torch_xla's functionalization
 # layer makes each traced op several times dearer (pytorch/xla#6294; here AdamW over 75
-# parameters traces in 7 ms instead of 28). Nothing in the step needs it. Read when the first XLA
-# tensor is made: XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it.
+# parameters traces in 7 ms instead of 28). The test suite runs every parallelism, scan, float8
+# and resume with it off; not verified on TPU. Read when the first XLA tensor is made:
+# XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it.
 os.environ.setdefault("XLA_DISABLE_FUNCTIONALIZATION", "1")
 
 from torchtitan_xla.config_manager import ConfigError, JobConfig, parse_args  # noqa: E402

@@ -248,7 +248,7 @@ class CheckpointManager:
         returns the seconds the training loop was blocked."""
         start = time.perf_counter()
         self.wait()  # one save at a time; time spent here counts as blocked
-        waited = time.perf_counter() - start
+        waited_s = time.perf_counter() - start
         states = self._states(model_only)
         if model_only and self.cfg.export_dtype != "float32":
             dtype = getattr(torch, self.cfg.export_dtype)
@@ -263,7 +263,7 @@ class CheckpointManager:
             self._pending = self._executor.submit(self._write_snapshot, step, snapshot, model_only)
         blocked = time.perf_counter() - start
         # Waiting means saves come faster than they are written: the interval is too short.
-        waited = f", of which {waited:.2f}s waiting for the previous save" if waited >= 0.01 else ""
+        waited = f", of which {waited_s:.2f}s waiting for the previous save" if waited_s >= 0.01 else ""
         logger.info(f"Checkpoint step-{step}: {'staged' if self._executor else 'saved'}"
                     f"{' (model only)' if model_only else ''}, loop blocked {blocked:.2f}s{waited}")
         return blocked
