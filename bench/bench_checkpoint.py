@@ -88,6 +88,7 @@ def main() -> None:
             "blocked": [(float(b), float(w or 0)) for b, w in
                         re.findall(r"loop blocked ([0-9.]+)s(?:, of which ([0-9.]+)s waiting)?", log)],
             "to_host": floats(r"copied to host memory in ([0-9.]+)s", log),
+            "trial": floats(r"a trial snapshot fits \(([0-9.]+)s\)", log),
             "written_gb": floats(r"written: ([0-9.]+) GB", log),
             "write_gbps": floats(r"written: [0-9.]+ GB in [0-9.]+s \(([0-9.]+) GB/s\)", log),
             # Wall time of the loop after the first (compiling) step, saves included.
@@ -116,6 +117,7 @@ def main() -> None:
     print(f"async vs the median sync save ({ref:.2f}s): "
           + ", ".join(f"{100 * b / ref:.0f}%" for b, _ in asyn["blocked"])
           + "; without the waiting: " + ", ".join(f"{100 * (b - w) / ref:.0f}%" for b, w in asyn["blocked"]))
+    print(f"async trial snapshot at start (before step 1, not in the loop): {asyn['trial']} s")
     print(f"async background copy to host memory: {asyn['to_host']} s")
     print(f"loop time of steps 2..{opts.steps}, saves included: no checkpoint {none['loop']:.1f}s, "
           f"sync {sync['loop']:.1f}s, async {asyn['loop']:.1f}s")

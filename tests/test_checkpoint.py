@@ -100,6 +100,13 @@ def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
     losses, log = run(tmp_path / "a", *mesh, "--checkpoint.async_mode", "async", devices=8,
                       prelude=DELAYED_ASYNC_WRITE)
     assert "Checkpoint step-3: staged" in log and "loop blocked" in log
+    # A trial snapshot at start (before step 1), so a device too small for async saves fails
+    # there; then one per save (3 and 6).
+    lines = log.splitlines()
+    snapshots = [i for i, ln in enumerate(lines) if ln.startswith("SNAPSHOT SHARDINGS ")]
+    first_step = next(i for i, ln in enumerate(lines) if re.search(r"step:\s+1 ", ln))
+    assert len(snapshots) == 3 and snapshots[0] < first_step < snapshots[1]
+    assert "a trial snapshot fits" in log
     assert int(re.search(r"WRITE step-3 after step (\d+)", log).group(1)) >= 4
     # The snapshot is sharded like the state (each host writes only its own shards).
     shardings = json.loads(next(ln for ln in log.splitlines() if ln.startswith("SNAPSHOT SHARDINGS "))

@@ -218,6 +218,19 @@ class CheckpointManager:
             self._write_group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self._preempted = threading.Event()
+        if self._executor is not None and self.cfg.enable:
+            self._rehearse_snapshot()
+
+    def _rehearse_snapshot(self) -> None:
+        """Make one device snapshot of the state at start and drop it. A device that cannot hold
+        the second copy async saves need then fails before the first step, not at the first save
+        hours later; and the first save does not pay for memory the process never touched (on the
+        XLA CPU backend that made the first save block the loop ~10x longer than later ones:
+        docs/performance.md)."""
+        start = time.perf_counter()
+        _device_snapshot(self._states(model_only=False))
+        logger.info(f"Checkpoint: async saves snapshot the state on the device; a trial snapshot "
+                    f"fits ({time.perf_counter() - start:.2f}s)")
 
     # ---- what is saved ----------------------------------------------------------------------
 
