@@ -18,6 +18,7 @@ import torch
 from helpers import REPO, losses_of, tiny_args, train_process, train_run
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
+from torchtitan_xla.config_manager import ConfigError
 
 TWO_BLOCKS = {"n_layers": 2}
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
@@ -129,6 +130,35 @@ def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
     resumed_folder = _copy_up_to(tmp_path / "a", tmp_path / "b", 3)
     resumed, _ = run(resumed_folder, *mesh, "--checkpoint.async_mode", "async", devices=8)
     assert resumed == {s: losses[s] for s in (4, 5, 6)}
+
+
+@pytest.mark.parametrize("device_error", [
+    "Out of memory allocating 2147483648 bytes.",  # the XLA CPU client
+    "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 2.00G.",  # TPU
+])
+def test_async_mode_without_memory_for_the_snapshot_is_one_clear_line(monkeypatch, device_error):
+    # The out-of-memory itself cannot be provoked on the CPU backend without gigabytes of state;
+    # the device's error is injected where the trial snapshot would raise it.
+    import torchtitan_xla.checkpoint as ckpt
+
+    def no_memory(states):
+        raise RuntimeError(device_error)
+
+    monkeypatch.setattr(ckpt, "_device_snapshot", no_memory)
+    manager = object.__new__(ckpt.CheckpointManager)  # only the trial snapshot, no model
+    manager._states = lambda model_only: {}
+    with pytest.raises(ConfigError) as e:
+        manager._rehearse_snapshot()
+    assert str(e.value) == (
+        '[checkpoint] async_mode = "async" needs device memory for a second copy of the state, and '
+        f'a trial copy did not fit; use async_mode = "disabled" (device said: {device_error})')
+    # Any other failure is not a memory problem and is not dressed up as one.
+    def other_failure(states):
+        raise RuntimeError("Check failed: tensor_data")
+
+    monkeypatch.setattr(ckpt, "_device_snapshot", other_failure)
+    with pytest.raises(RuntimeError, match="^Check failed: tensor_data$"):
+        manager._rehearse_snapshot()
 
 
 def test_resume_onto_a_different_mesh_reshards(tmp_path):

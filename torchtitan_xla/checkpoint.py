@@ -181,6 +181,10 @@ def _device_snapshot(states: dict[str, Any]) -> dict[str, Any]:
     return tree_unflatten(copies, spec)
 
 
+# How an allocation failure reads: XLA's CPU client, and the TPU runtime's RESOURCE_EXHAUSTED.
+_OUT_OF_MEMORY = ("Out of memory", "RESOURCE_EXHAUSTED", "Ran out of memory")
+
+
 def _loader_key(host_rank: int) -> str:
     return f"dataloader/host_{host_rank}"
 
@@ -228,7 +232,15 @@ class CheckpointManager:
         XLA CPU backend that made the first save block the loop ~10x longer than later ones:
         docs/performance.md)."""
         start = time.perf_counter()
-        _device_snapshot(self._states(model_only=False))
+        try:
+            _device_snapshot(self._states(model_only=False))
+        except RuntimeError as e:
+            if not any(m in str(e) for m in _OUT_OF_MEMORY):
+                raise
+            raise ConfigError(
+                "[checkpoint] async_mode = \"async\" needs device memory for a second copy of the "
+                "state, and a trial copy did not fit; use async_mode = \"disabled\" (device said: "
+                f"{str(e).strip().splitlines()[0][:200]})") from None
         logger.info(f"Checkpoint: async saves snapshot the state on the device; a trial snapshot "
                     f"fits ({time.perf_counter() - start:.2f}s)")
 
