@@ -227,10 +227,11 @@ class CheckpointManager:
 
     def _rehearse_snapshot(self) -> None:
         """Make one device snapshot of the state at start and drop it. A device that cannot hold
-        the second copy async saves need then fails before the first step, not at the first save
-        hours later; and the first save does not pay for memory the process never touched (on the
-        XLA CPU backend that made the first save block the loop ~10x longer than later ones:
-        docs/performance.md)."""
+        even the copy async saves need then fails before the first step, not hours later (whether
+        the step also fits beside the copy, which it must while the background thread moves the
+        copy to the host, still shows only at the first save); and the first save does not pay for
+        memory the process never touched (on the XLA CPU backend that made the first save block
+        the loop ~10x longer than later ones: docs/performance.md)."""
         start = time.perf_counter()
         try:
             _device_snapshot(self._states(model_only=False))
