@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GSPMD notice
-# Lazy tensors retrace the whole step on the host every step, and torch_xla's functionalization
-# layer makes each traced op several times dearer (pytorch/xla#6294; here AdamW over 75
-# parameters traces in 7 ms instead of 28). The test suite runs every parallelism, scan, float8
-# and resume with it off; not verified on TPU. Read when the first XLA tensor is made:
-# XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it.
+# torch_xla's functionalization layer off: the replayed step (torchtitan_xla/replay.py) updates
+# tensors under it, which functionalization's wrappers do not see (with it on, every step is
+# traced again, and each traced op costs several times more: pytorch/xla#6294). The test suite
+# runs every parallelism, scan, float8 and resume with it off; not verified on TPU. Read when the
+# first XLA tensor is made: XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it.
 os.environ.setdefault("XLA_DISABLE_FUNCTIONALIZATION", "1")
 
 from torchtitan_xla.config_manager import ConfigError, JobConfig, parse_args  # noqa: E402
@@ -47,9 +47,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, model_name_to_cls
-    from torchtitan_xla.optimizer import build_lr_scheduler, build_optimizer
+    from torchtitan_xla.optimizer import (build_lr_scheduler, build_optimizer,
+                                          optimizer_state_tensors, step_with_lr)
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.profiling import maybe_enable_profiling
+    from torchtitan_xla.replay import ReplayedStep
     from torchtitan_xla.utils import GarbageCollection, compile_stats, set_determinism
 
     init_logger()
@@ -153,7 +155,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
         return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
 
-    def train_step(inputs: torch.Tensor, labels: torch.Tensor):
+    def train_step(inputs: torch.Tensor, labels: torch.Tensor, lr: torch.Tensor):
         optimizer.zero_grad(set_to_none=True)
         loss, rank_token_losses = 0.0, []
         for mb_inputs, mb_labels in zip(microbatches(inputs), microbatches(labels)):
@@ -171,14 +173,17 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         else:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
-        optimizer.step()
+        step_with_lr(optimizer, lr)
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), parallel_dims.dp_degree)
         return torch.stack([loss, grad_norm.detach(), max_loss])
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
-    # graph break.
-    compiled_step = torch_xla.compile(train_step, full_graph=True, name="train_step")
+    # graph break. Traced at the first two steps, then the compiled graph is replayed: the host
+    # no longer retraces the step. What it reads and writes must be on the device: the batch,
+    # the lr, and this state.
+    compiled_step = ReplayedStep(
+        train_step, [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)])
 
     gc_handler = GarbageCollection(training.gc_freq)
     data_iterator = iter(data_loader)
@@ -197,8 +202,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             data_start = time.perf_counter()
             inputs, labels = next(data_iterator)
             metric_logger.add_data_wait(time.perf_counter() - data_start)
-            step_stats = compiled_step(inputs, labels)
             lr = lr_scheduler.get_last_lr()[0]
+            step_stats = compiled_step(inputs, labels, torch.tensor(lr, device=device))
             lr_scheduler.step()
 
             compiles, _ = compile_stats()

@@ -200,9 +200,10 @@ def test_plot_runs_draws_the_event_file_data(runs, tmp_path):
 def test_logging_adds_no_transfer_and_no_graph(runs):
     off_history, _, off_transfers, _ = runs["off"]
     on_history, _, on_transfers, on_compiles = runs["on"]
-    # Exactly one device-to-host transfer per log step, with or without TensorBoard (and none
-    # anywhere else in the run: init, data, lr schedule, memory or compile statistics).
-    assert off_transfers == on_transfers == len(LOG_STEPS)
+    # Exactly one device-to-host transfer per log step, with or without TensorBoard, and one at
+    # step 2 (the replayed step's check of its frozen inputs); none anywhere else in the run:
+    # init, data, lr schedule, memory or compile statistics.
+    assert off_transfers == on_transfers == len(LOG_STEPS) + 1
     # The second run found both of its graphs in the first run's cache: logging changed no graph.
     assert on_compiles == 0
     assert [s.loss for s in on_history] == [s.loss for s in off_history]  # bit for bit

@@ -63,7 +63,8 @@ def test_optimizer_state_exists_before_the_first_step(xla_device):
     model = torch.nn.Linear(4, 3).to(xla_device)
     opt = build_optimizer(model, parse_args([]))
     state = opt.state[model.weight]
-    assert state["step"].device.type == "cpu" and state["step"].item() == 0.0
+    # capturable: the step count lives on the device, so the step's graph reads it as data.
+    assert state["step"].device.type == "xla" and state["step"].item() == 0.0
     assert state["exp_avg"].shape == (3, 4) and state["exp_avg"].device.type == "xla"
     assert torch.count_nonzero(state["exp_avg_sq"].cpu()) == 0
     model.weight.grad = torch.ones_like(model.weight)

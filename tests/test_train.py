@@ -6,7 +6,6 @@ import logging
 import pytest
 from helpers import REPO, run_train, tiny_args, train_losses
 
-import torchtitan_xla.optimizer
 from torchtitan_xla.config_manager import parse_args
 from torchtitan_xla.logging import logger
 
@@ -68,19 +67,36 @@ def _run_in_process(tmp_path, *extra):
     return {s.step: s.loss for s in history}
 
 
+class _ShorterBatchesFromStep4:
+    """A data loader whose batches lose 8 tokens from step 4 on: a new shape, so a new graph."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        for step, (inputs, labels) in enumerate(self.loader, start=1):
+            yield (inputs[:, :-8], labels[:, :-8]) if step >= 4 else (inputs, labels)
+
+
+def _shorter_batches_from_step_4(monkeypatch):
+    import torchtitan_xla.datasets
+
+    real = torchtitan_xla.datasets.build_data_loader
+    monkeypatch.setattr(torchtitan_xla.datasets, "build_data_loader",
+                        lambda *a, **kw: _ShorterBatchesFromStep4(real(*a, **kw)))
+
+
 def test_recompile_after_warmup_stops_the_run(tmp_path, monkeypatch, xla_device):
-    # An lr of exactly 0 is baked into the graph as a constant, so it compiles a second graph.
-    real = torchtitan_xla.optimizer.lr_factor
-    monkeypatch.setattr(torchtitan_xla.optimizer, "lr_factor",
-                        lambda step, **kw: 0.0 if step >= 3 else real(step, **kw))
+    _shorter_batches_from_step_4(monkeypatch)
     with pytest.raises(RuntimeError, match=r"step 4: XLA compiled a new graph after warm-up"):
         _run_in_process(tmp_path, "--training.seq_len", "48")
 
 
 def test_recompile_after_warmup_can_be_a_warning(tmp_path, monkeypatch, xla_device):
-    real = torchtitan_xla.optimizer.lr_factor
-    monkeypatch.setattr(torchtitan_xla.optimizer, "lr_factor",
-                        lambda step, **kw: 0.0 if step >= 3 else real(step, **kw))
+    _shorter_batches_from_step_4(monkeypatch)
     records = []
     handler = logging.Handler()
     handler.emit = records.append

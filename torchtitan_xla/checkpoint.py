@@ -162,8 +162,8 @@ def _host_copy(states: dict[str, Any]) -> dict[str, Any]:
 def _device_snapshot(states: dict[str, Any]) -> dict[str, Any]:
     """A copy of `states` the training loop cannot change: every XLA tensor cloned into new device
     buffers (XLA keeps each one's sharding, so every host still writes only its own shards),
-    every host tensor cloned (Adam's `step` is a host tensor the next step increments in place),
-    the containers rebuilt.
+    every host tensor cloned (a host tensor could be changed in place by the loop), the
+    containers rebuilt.
 
     Why copy on the device: each step donates the buffers of the parameters and the optimizer
     state to its outputs, so the step-N buffers stop existing while step N+1 runs; a copy to the

@@ -13,11 +13,15 @@ from torchtitan_xla.logging import logger
 
 
 def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.optim.Optimizer:
+    """torch's Adam(W), `capturable`: its step count and bias corrections live on the device, so the
+    step's graph reads them as data instead of baking this step's Python numbers into it (which
+    a replayed graph would keep; see replay.py). The learning rate comes in the same way, as a
+    device scalar given to `step_with_lr`."""
     cfg = job_config.optimizer
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     optimizer = cls(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        weight_decay=cfg.weight_decay, foreach=False)
+        weight_decay=cfg.weight_decay, foreach=False, capturable=True)
     init_optimizer_state(optimizer)
     return optimizer
 
@@ -36,8 +40,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             state = optimizer.state[p]
             if state:
                 continue
-            # torch keeps `step` as a host float tensor for non-capturable Adam(W) on XLA.
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             for name in ("exp_avg", "exp_avg_sq"):
                 t = torch.zeros_like(p, memory_format=torch.preserve_format)
                 sharding = torch_xla._XLAC._get_xla_op_sharding(p)
@@ -46,13 +49,34 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state[name] = t
 
 
+def step_with_lr(optimizer: torch.optim.Optimizer, lr: torch.Tensor) -> None:
+    """`optimizer.step()` with the learning rate `lr` (a device scalar) for every group.
+
+    The groups keep their Python float otherwise, for the scheduler and the state dict; only the
+    traced update reads the tensor."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    try:
+        optimizer.step()
+    finally:
+        for group, value in zip(optimizer.param_groups, saved):
+            group["lr"] = value
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor)]
+
+
 def lr_factor(step: int, *, warmup_steps: int, decay_start: int, decay_steps: int,
               decay_type: str, min_lr_factor: float) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, a stable
     phase, then decay towards `min_lr_factor`.
 
-    It is never exactly 0: torch_xla bakes the scalars 0 and 1 into the graph as constants, so an
-    lr of exactly 0 would trigger a recompile (measured); every other value is uploaded as data."""
+    It is never exactly 0 (a step with lr 0 is wasted). It used to matter for compiling too:
+    torch_xla bakes a Python 0 or 1 into the graph as a constant, so an lr of exactly 0 recompiled
+    (measured); train.py now hands the lr to the step as a device tensor, which never does."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if step < decay_start or decay_steps == 0:
