@@ -134,19 +134,49 @@ def test_run_train_sh_resolves_bare_config_names_and_device_count(tmp_path):
     assert str(REPO)  # the script found train.py from any working directory
 
 
-@pytest.mark.parametrize("setting, functional", [(None, "False"), ("0", "True")])
-def test_train_py_turns_functionalization_off_unless_the_environment_says(setting, functional):
-    """train.py disables torch_xla's functionalization (it multiplies the host's per-step tracing
-    cost; docs/performance.md) before any XLA tensor exists; XLA_DISABLE_FUNCTIONALIZATION=0 in
-    the environment keeps it on."""
+_REPLAY_PROBE = """
+import sys; sys.path.insert(0, {repo!r})
+import train, torch, torch_xla
+from torchtitan_xla.replay import ReplayedStep
+device = torch_xla.device()
+print(torch._is_functional_tensor(torch.ones(1, device=device)))
+torch.manual_seed(0)
+w = torch.randn(4, 4).to(device)
+traces = []
+def step(x):
+    traces.append(1)
+    w.mul_(0.5).add_(x)
+    return w.sum()
+replayed = ReplayedStep(step, [w])
+print([replayed(torch.full((4, 4), float(i)).to(device)).item() for i in range(4)], len(traces))
+"""
+
+
+@pytest.mark.parametrize("setting, functional, traces", [(None, "False", "2"), ("0", "True", "4")])
+def test_train_py_turns_functionalization_off_unless_the_environment_says(setting, functional,
+                                                                         traces):
+    """train.py disables torch_xla's functionalization (the replayed step needs it off; it also
+    multiplies the cost of tracing: docs/performance.md) before any XLA tensor exists;
+    XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it on, and then the step is traced
+    every time, with the same results."""
+    import ast
     import subprocess
     import sys
 
+    import torch
     from helpers import _env
 
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import train, torch, torch_xla; "
-            f"print(torch._is_functional_tensor(torch.ones(1, device=torch_xla.device())))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", _REPLAY_PROBE.format(repo=str(REPO))],
+                       capture_output=True, text=True,
                        env=_env(1, {"XLA_DISABLE_FUNCTIONALIZATION": setting}), timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.split() == [functional]
+    is_functional, results = p.stdout.splitlines()
+    assert is_functional == functional
+    values, count = results.rsplit(" ", 1)
+    assert count == traces  # the step's Python ran twice (replayed after), or every time
+    torch.manual_seed(0)
+    w, expected = torch.randn(4, 4), []
+    for i in range(4):  # the same updates on the host, in float32
+        w = w * 0.5 + i
+        expected.append(w.sum().item())
+    assert ast.literal_eval(values) == pytest.approx(expected, rel=1e-6)

@@ -1,4 +1,4 @@
-"""Trace the training step once, then replay its compiled XLA graph.
+"""Trace the training step twice, then replay its compiled XLA graph.
 
 Lazy tensors retrace the whole step on the host every step only to arrive at the graph they
 compiled at step 1 (the debug model on this 2-core CPU: ~60 ms of tracing against a ~310 ms graph,
@@ -107,9 +107,10 @@ class ReplayedStep:
         _, values = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
         value_handles = torch_xla._XLAC._get_tensors_handle(values)
         inputs = [handles.get(h, ("frozen", v)) for h, v in zip(value_handles, values)]
+        written = set(updated)
         for (kind, ref), value in zip(inputs, values):
             # The old buffers of what the step updates are dead after it: let XLA reuse them.
-            if kind == "state" and ref in updated:
+            if kind == "state" and ref in written:
                 torch_xla._XLAC._set_buffer_donation(value, True)
         with alias_with_buffer_donor_config():
             graph_hash = torch_xla._XLAC._get_graph_hash(outputs)
