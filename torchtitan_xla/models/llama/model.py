@@ -251,9 +251,10 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
         seqlen = tokens.shape[1]
-        # Copies, not views of the buffers: with op-level selective activation checkpointing a
-        # view saved for recomputation wrote an update back into the buffer after the step,
-        # reading weight buffers the replayed step had already donated (torch_xla 2.9).
+        # Copies, not views of the buffers: with op-level selective activation checkpointing the
+        # views left the buffer holding a pending view update after the step, and the next sync
+        # failed on a weight buffer the replayed step had donated (torch_xla 2.9, "buffer ... is
+        # deleted" at step 2; the exact path inside torch_xla not traced).
         cos, sin = self.rope_cos[:seqlen].clone(), self.rope_sin[:seqlen].clone()
         h = self.layers(self.tok_embeddings(tokens), cos, sin)
         return self.output(self.norm(h))
