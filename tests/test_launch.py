@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -198,11 +199,40 @@ def test_host_env_on_cpu():
     cfg = parse_args(["--job.config_file", CONFIG, "--parallelism.tensor_parallel_degree", "2"])
     hosts = resolve_hosts({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1"})
     assert host_env(hosts, 1, cfg, {"PJRT_DEVICE": "CPU"}) == {
-        "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "NNODES": "2", "NODE_RANK": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    # one host: nothing about hosts, CPU_NUM_DEVICES from the environment wins
-    assert host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}) == {
-        "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
+        "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+        "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    # one host: nothing about hosts; CPU_NUM_DEVICES and GLIBC_TUNABLES from the environment win
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert host_env(resolve_hosts({}), 0, cfg, env) == env
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                    reason="the kernel's transparent huge pages are off")
+def test_cpu_malloc_setting_gives_the_process_huge_pages():
+    """What host_env exports on CPU must reach glibc: a fresh 256 MB malloc, the kind of block XLA
+    CPU allocates for every execution's temporaries, is backed by transparent huge pages."""
+    code = ("import ctypes, re\n"
+            "libc = ctypes.CDLL(None)\n"
+            "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
+            "p = libc.malloc(256 << 20)\n"
+            "ctypes.memset(p, 1, 256 << 20)\n"
+            "smaps = open('/proc/self/smaps_rollup').read()\n"
+            "print(re.search(r'AnonHugePages:\\s+(\\d+) kB', smaps).group(1))\n")
+
+    def huge_page_mib(extra: dict[str, str]) -> float:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | extra
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return int(out) / 1024
+
+    cfg = parse_args(["--job.config_file", CONFIG])
+    exported = host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU"})
+    assert huge_page_mib({"GLIBC_TUNABLES": exported["GLIBC_TUNABLES"]}) >= 200
+    if "[madvise]" in THP.read_text():  # huge pages only where asked for: none without it
+        assert huge_page_mib({}) < 200
 
 
 def test_check_disjoint():
@@ -218,7 +248,7 @@ def run_script(args: list[str], env: dict[str, str], script: str = "run_train.sh
     """run_train.sh with only the given launcher variables (none inherited from this shell)."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "MASTER_", "TPU_", "MEGASCALE_",
-                                 "CPU_NUM_DEVICES", "PJRT_", "XLA_", "LIBTPU_"))}
+                                 "CPU_NUM_DEVICES", "PJRT_", "XLA_", "LIBTPU_", "GLIBC_"))}
     base |= {"PYTHON": sys.executable, **env}
     return subprocess.run([str(REPO / script), *args], capture_output=True, text=True, env=base,
                           cwd=REPO, timeout=120)
@@ -256,7 +286,7 @@ def test_dry_run_single_host_on_cpu():
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == [
         "# 1 host(s), from single host; the same command runs on each", "# host 0",
-        "CPU_NUM_DEVICES=2", "PJRT_DEVICE=CPU",
+        "CPU_NUM_DEVICES=2", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "PJRT_DEVICE=CPU",
         f"{sys.executable} {REPO}/train.py --job.config_file {CONFIG} --parallelism.tensor_parallel_degree 2"]
 
 
