@@ -338,8 +338,9 @@ def cpu_device_count(job_config: JobConfig) -> int:
 # without them every step faults that memory in again 4 KB at a time (~90k page faults a step);
 # with them the debug model's step ran 27-32% faster (two A/Bs), compiled no slower, same losses
 # (docs/performance.md). glibc reads it when the process starts, hence an exported variable; a
-# GLIBC_TUNABLES already in the environment is left as it is. Nothing changes where the kernel's
-# transparent huge pages are off (/sys/kernel/mm/transparent_hugepage/enabled = never).
+# GLIBC_TUNABLES already in the environment is left as it is (set it empty to turn this off).
+# Nothing changes where the kernel's transparent huge pages are off (/sys/kernel/mm/
+# transparent_hugepage/enabled = never).
 CPU_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
