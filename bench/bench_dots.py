@@ -19,7 +19,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
 CHAIN = 16  # dots per graph: enough to amortise the launch
 
 
@@ -57,8 +59,7 @@ def child() -> None:
         return p[:, :1, :1]
 
     def attention_split(p, v, w):  # the same work as two independent chains
-        halves = [list(t.chunk(2)) for t in (p, v, w)]
-        ps, vs, ws = halves
+        ps, vs, ws = (list(t.chunk(2)) for t in (p, v, w))
         for _ in range(CHAIN):
             for g in range(2):
                 ps[g] = (ps[g] @ vs[g]) @ ws[g]
@@ -75,12 +76,15 @@ def main() -> None:
     if "--child" in sys.argv:
         child()
         return
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
-    env.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")  # as run_train.sh on CPU
+    sys.path.insert(0, str(REPO))
+    from torchtitan_xla.launch import CPU_GLIBC_TUNABLES
+
+    # As run_train.sh on the CPU backend: a GLIBC_TUNABLES you set wins.
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
+           "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)}
     cores = sorted(os.sched_getaffinity(0))
-    for label, pin in (("one core", [str(cores[0])]), (f"{len(cores)} cores", [])):
+    for label, prefix in (("one core", ["taskset", "-c", str(cores[0])]), (f"{len(cores)} cores", [])):
         print(f"{label}:", flush=True)
-        prefix = ["taskset", "-c", ",".join(pin)] if pin else []
         subprocess.run(prefix + [sys.executable, __file__, "--child"], env=env, check=True,
                        stderr=subprocess.DEVNULL)
 
