@@ -77,11 +77,11 @@ def main() -> None:
         child()
         return
     sys.path.insert(0, str(REPO))
-    from torchtitan_xla.launch import CPU_GLIBC_TUNABLES
+    from torchtitan_xla.launch import cpu_glibc_tunables
 
     # As run_train.sh on the CPU backend: a GLIBC_TUNABLES you set wins.
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
-           "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)}
+           "GLIBC_TUNABLES": cpu_glibc_tunables(os.environ)}
     cores = sorted(os.sched_getaffinity(0))
     for label, prefix in (("one core", ["taskset", "-c", str(cores[0])]), (f"{len(cores)} cores", [])):
         print(f"{label}:", flush=True)

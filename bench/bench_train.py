@@ -173,8 +173,8 @@ def main() -> None:
     kinds = ["xla"] + ([] if opts.skip_eager else ["eager"])
     # Both workers get the malloc setting run_train.sh exports on the CPU backend (transparent
     # huge pages; measured: the eager loop 2% faster with it, the XLA step 27-32%): same setting.
-    from torchtitan_xla.launch import CPU_GLIBC_TUNABLES
-    env = {**os.environ, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)}
+    from torchtitan_xla.launch import cpu_glibc_tunables
+    env = {**os.environ, "GLIBC_TUNABLES": cpu_glibc_tunables(os.environ)}
     workers = {}
     for kind in kinds:
         cmd = [sys.executable, __file__, "--worker", kind, "--batch", str(opts.batch),

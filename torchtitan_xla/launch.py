@@ -344,6 +344,11 @@ def cpu_device_count(job_config: JobConfig) -> int:
 CPU_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
+def cpu_glibc_tunables(env: Mapping[str, str]) -> str:
+    """GLIBC_TUNABLES for a process on the CPU backend: the one in `env` if set, else ours."""
+    return env.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)
+
+
 def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, str], *,
              metadata: bool | None = None) -> dict[str, str]:
     """The variables run_train.sh sets for the process on host `rank` (the rest of the
@@ -352,7 +357,7 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
     out = {"PJRT_DEVICE": device}
     if device == "CPU":
         out["CPU_NUM_DEVICES"] = env.get("CPU_NUM_DEVICES") or str(cpu_device_count(job_config))
-        out["GLIBC_TUNABLES"] = env.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)
+        out["GLIBC_TUNABLES"] = cpu_glibc_tunables(env)
     if hosts.count > 1:
         # train.py reads these (torchrun's names) whatever the scheduler was.
         out |= {"NNODES": str(hosts.count), "NODE_RANK": str(rank),
