@@ -77,11 +77,11 @@ def main() -> None:
         child()
         return
     sys.path.insert(0, str(REPO))
-    from torchtitan_xla.launch import cpu_glibc_tunables
+    from torchtitan_xla.launch import cpu_malloc_env, find_tcmalloc
 
-    # As run_train.sh on the CPU backend: a GLIBC_TUNABLES you set wins.
+    # As run_train.sh on the CPU backend: the malloc variables you set win.
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
-           "GLIBC_TUNABLES": cpu_glibc_tunables(os.environ)}
+           **cpu_malloc_env(os.environ, find_tcmalloc())}
     cores = sorted(os.sched_getaffinity(0))
     for label, prefix in (("one core", ["taskset", "-c", str(cores[0])]), (f"{len(cores)} cores", [])):
         print(f"{label}:", flush=True)

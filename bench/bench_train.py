@@ -171,10 +171,11 @@ def main() -> None:
         return eager_worker(opts)
 
     kinds = ["xla"] + ([] if opts.skip_eager else ["eager"])
-    # Both workers get the malloc setting run_train.sh exports on the CPU backend (transparent
-    # huge pages; measured: the eager loop 2% faster with it, the XLA step 27-32%): same setting.
-    from torchtitan_xla.launch import cpu_glibc_tunables
-    env = {**os.environ, "GLIBC_TUNABLES": cpu_glibc_tunables(os.environ)}
+    # Both workers get the malloc setting run_train.sh exports on the CPU backend (tcmalloc where
+    # installed, glibc's huge pages; docs/performance.md, "Host memory"): the same for both.
+    from torchtitan_xla.launch import cpu_malloc_env, find_tcmalloc
+    malloc_env = cpu_malloc_env(os.environ, find_tcmalloc())
+    env = {**os.environ, **malloc_env}
     workers = {}
     for kind in kinds:
         cmd = [sys.executable, __file__, "--worker", kind, "--batch", str(opts.batch),
@@ -216,7 +217,8 @@ def main() -> None:
     print(f"model: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "
           f"{n_params / 1e6:.1f}M parameters without embeddings; fp32, batch {opts.batch} x seq "
           f"{opts.seq_len}; {flops / 1e9:.1f} GFLOP per step (6N + 12LHQT)")
-    print(f"both workers with GLIBC_TUNABLES={env['GLIBC_TUNABLES']} (as run_train.sh on CPU)")
+    print(f"both workers with {' '.join(f'{k}={v}' for k, v in malloc_env.items())} "
+          "(as run_train.sh on CPU)")
     print(f"{opts.rounds} rounds x {opts.steps_per_round} steps, alternating"
           + (f"; train.py options: {' '.join(opts.train_args)}" if opts.train_args else ""))
     print(f"{'loop':<22} {'step (ms)':>10} {'tokens/s':>10} {'MFU':>6}   rounds (ms)")
