@@ -77,11 +77,11 @@ def main() -> None:
         child()
         return
     sys.path.insert(0, str(REPO))
-    from torchtitan_xla.launch import cpu_malloc_env, find_tcmalloc
+    from torchtitan_xla.launch import cpu_malloc_env
 
     # As run_train.sh on the CPU backend: the malloc variables you set win.
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
-           **cpu_malloc_env(os.environ, find_tcmalloc())}
+           **cpu_malloc_env(os.environ)}
     cores = sorted(os.sched_getaffinity(0))
     for label, prefix in (("one core", ["taskset", "-c", str(cores[0])]), (f"{len(cores)} cores", [])):
         print(f"{label}:", flush=True)

@@ -173,8 +173,8 @@ def main() -> None:
     kinds = ["xla"] + ([] if opts.skip_eager else ["eager"])
     # Both workers get the malloc setting run_train.sh exports on the CPU backend (tcmalloc where
     # installed, glibc's huge pages; docs/performance.md, "Host memory"): the same for both.
-    from torchtitan_xla.launch import cpu_malloc_env, find_tcmalloc
-    malloc_env = cpu_malloc_env(os.environ, find_tcmalloc())
+    from torchtitan_xla.launch import cpu_malloc_env
+    malloc_env = cpu_malloc_env(os.environ)
     env = {**os.environ, **malloc_env}
     workers = {}
     for kind in kinds:

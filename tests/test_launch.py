@@ -218,18 +218,32 @@ def test_host_env_on_cpu(monkeypatch):
     assert "LD_PRELOAD" not in host_env(resolve_hosts({}), 0, cfg, tpu, metadata=False)
 
 
-def test_cpu_malloc_env_leaves_the_users_variables_alone():
-    lib = "libtcmalloc.so.4"
-    assert cpu_malloc_env({}, None) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    assert cpu_malloc_env({}, lib)["LD_PRELOAD"] == lib
+def test_cpu_malloc_env_leaves_the_users_variables_alone(monkeypatch):
+    monkeypatch.setattr(launch, "find_tcmalloc", lambda: None)
+    assert cpu_malloc_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert cpu_malloc_env({"GLIBC_TUNABLES": ""}) == {"GLIBC_TUNABLES": ""}
+    monkeypatch.setattr(launch, "find_tcmalloc", lambda: "libtcmalloc.so.4")
+    assert cpu_malloc_env({})["LD_PRELOAD"] == "libtcmalloc.so.4"
     # an LD_PRELOAD of yours (empty: none) stays as it is, and nothing of ours is added
     for preload in ("", "libjemalloc.so.2"):
-        assert cpu_malloc_env({"LD_PRELOAD": preload}, lib) == {
-            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    assert cpu_malloc_env({"GLIBC_TUNABLES": ""}, None) == {"GLIBC_TUNABLES": ""}
+        assert cpu_malloc_env({"LD_PRELOAD": preload}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Python that mallocs straight from libc (whichever malloc the process has), for the tests below.
+LIBC_MALLOC = ("import ctypes, re, resource\n"
+               "libc = ctypes.CDLL(None)\n"
+               "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
+               "libc.free.argtypes = [ctypes.c_void_p]\n")
+
+
+def run_python(code: str, malloc_env: dict[str, str]) -> str:
+    """Run `code` in a fresh Python whose malloc variables are exactly `malloc_env`; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    out = subprocess.run([sys.executable, "-c", LIBC_MALLOC + code], env=env | malloc_env,
+                         capture_output=True, text=True, check=True)
+    assert out.stderr == ""  # nothing from the allocator either
+    return out.stdout
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
@@ -237,19 +251,13 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def test_cpu_malloc_setting_gives_the_process_huge_pages():
     """What host_env exports on CPU must reach glibc: a fresh 256 MB malloc, the kind of block XLA
     CPU allocates for every execution's temporaries, is backed by transparent huge pages."""
-    code = ("import ctypes, re\n"
-            "libc = ctypes.CDLL(None)\n"
-            "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
-            "p = libc.malloc(256 << 20)\n"
+    code = ("p = libc.malloc(256 << 20)\n"
             "ctypes.memset(p, 1, 256 << 20)\n"
             "smaps = open('/proc/self/smaps_rollup').read()\n"
             "print(re.search(r'AnonHugePages:\\s+(\\d+) kB', smaps).group(1))\n")
 
-    def huge_page_mib(extra: dict[str, str]) -> float:
-        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | extra
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             check=True).stdout
-        return int(out) / 1024
+    def huge_page_mib(malloc_env: dict[str, str]) -> float:
+        return int(run_python(code, malloc_env)) / 1024
 
     cfg = parse_args(["--job.config_file", CONFIG])
     exported = host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU"})
@@ -263,11 +271,7 @@ def test_preloaded_tcmalloc_hands_a_freed_block_back_without_page_faults():
     """What tcmalloc is preloaded for: XLA CPU frees each execution's temporary buffer and mallocs
     it again the next step. Under the exported variables a 256 MB block written, freed and
     allocated again is not faulted in again; under glibc alone (huge pages) it is, every time."""
-    code = ("import ctypes, resource\n"
-            "libc = ctypes.CDLL(None)\n"
-            "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
-            "libc.free.argtypes = [ctypes.c_void_p]\n"
-            "faults = []\n"
+    code = ("faults = []\n"
             "for _ in range(3):\n"
             "    p = libc.malloc(256 << 20)\n"
             "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
@@ -276,12 +280,8 @@ def test_preloaded_tcmalloc_hands_a_freed_block_back_without_page_faults():
             "    libc.free(p)\n"
             "print(*faults)\n")
 
-    def faults(extra: dict[str, str]) -> list[int]:
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
-        out = subprocess.run([sys.executable, "-c", code], env=env | extra, capture_output=True,
-                             text=True, check=True)
-        assert out.stderr == ""  # nothing from tcmalloc on stderr either
-        return [int(f) for f in out.stdout.split()]
+    def faults(malloc_env: dict[str, str]) -> list[int]:
+        return [int(f) for f in run_python(code, malloc_env).split()]
 
     cfg = parse_args(["--job.config_file", CONFIG])
     exported = host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU"})
@@ -305,7 +305,8 @@ def run_script(args: list[str], env: dict[str, str], script: str = "run_train.sh
     """run_train.sh with only the given launcher variables (none inherited from this shell)."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "MASTER_", "TPU_", "MEGASCALE_",
-                                 "CPU_NUM_DEVICES", "PJRT_", "XLA_", "LIBTPU_", "GLIBC_"))}
+                                 "CPU_NUM_DEVICES", "PJRT_", "XLA_", "LIBTPU_", "GLIBC_",
+                                 "LD_PRELOAD", "TCMALLOC_"))}
     base |= {"PYTHON": sys.executable, **env}
     return subprocess.run([str(REPO / script), *args], capture_output=True, text=True, env=base,
                           cwd=REPO, timeout=120)

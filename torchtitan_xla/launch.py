@@ -357,11 +357,11 @@ def find_tcmalloc() -> str | None:
     return next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)
 
 
-def cpu_malloc_env(env: Mapping[str, str], tcmalloc: str | None) -> dict[str, str]:
-    """The malloc variables for a process on the CPU backend, given the environment `env` and
-    the tcmalloc found (find_tcmalloc()). Variables already in `env` win."""
+def cpu_malloc_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The malloc variables for a process on the CPU backend, given the environment `env` (whose
+    variables win) and the tcmalloc installed here, if any."""
     out = {"GLIBC_TUNABLES": env.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)}
-    if tcmalloc and "LD_PRELOAD" not in env:
+    if "LD_PRELOAD" not in env and (tcmalloc := find_tcmalloc()):
         out |= {"LD_PRELOAD": tcmalloc, "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
     return out
 
@@ -374,7 +374,7 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
     out = {"PJRT_DEVICE": device}
     if device == "CPU":
         out["CPU_NUM_DEVICES"] = env.get("CPU_NUM_DEVICES") or str(cpu_device_count(job_config))
-        out |= cpu_malloc_env(env, find_tcmalloc())
+        out |= cpu_malloc_env(env)
     if hosts.count > 1:
         # train.py reads these (torchrun's names) whatever the scheduler was.
         out |= {"NNODES": str(hosts.count), "NODE_RANK": str(rank),
