@@ -18,7 +18,7 @@ from torch import nn
 from torchtitan_xla.config_manager import ActivationCheckpoint, ConfigError, JobConfig
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
-from torchtitan_xla.models.llama.model import BlockwiseCausalAttention
+from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
 
 Spec = tuple  # a partition spec: one mesh-axis name (or a tuple of names, or None) per dimension

@@ -122,40 +122,11 @@ class RMSNorm(nn.Module):
 
 
 class ScaledDotProductAttention(nn.Module):
-    """Causal attention over [batch, heads, seq, head_dim]; a module so a kernel can replace it."""
+    """Causal attention over [batch, heads, seq, head_dim]; a module so a kernel can replace it
+    (blockwise_attention.py, or the Pallas kernels in parallelize_llama.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class BlockwiseCausalAttention(nn.Module):
-    """The same causal attention computed in `blocks` query blocks, each against only the keys it
-    can see: block i of n needs keys [0, end_i), so (n - 1) / 2n of the score matrix (the masked
-    upper triangle) is never computed. Plain tensor ops: XLA lowers SDPA to full [seq, seq]
-    score, mask and softmax tensors on every backend, and on the XLA CPU backend these dominate
-    the step (docs/performance.md)."""
-
-    def __init__(self, blocks: int = 4):
-        super().__init__()
-        self.blocks = blocks
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        seqlen = q.shape[-2]
-        n = min(self.blocks, seqlen)
-        bounds = [seqlen * i // n for i in range(n + 1)]
-        q = q * q.shape[-1] ** -0.5
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            scores = q[..., start:end, :] @ k[..., :end, :].transpose(-1, -2)
-            # Each block's mask is built from positions, not sliced from one [seq, seq] mask: with
-            # sliced masks, op-level selective checkpointing (torch's dispatch-mode SAC) on
-            # torch_xla 2.9 gave wrong forward values from 4 blocks on (cause not found; the
-            # selective_op tests compare against no checkpointing bit for bit).
-            above = (torch.arange(end, device=q.device)[None, :]
-                     > torch.arange(start, end, device=q.device)[:, None])
-            scores = scores.masked_fill(above, float("-inf"))  # never a whole row
-            outs.append(torch.softmax(scores, dim=-1) @ v[..., :end, :])
-        return torch.cat(outs, dim=-2)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,81 @@
+"""Causal attention in query blocks, written for the XLA CPU backend (`model.attention = "blockwise"`).
+
+The same function as causal SDPA (tests/test_model.py checks values and gradients in float64), in
+plain tensor ops: XLA lowers SDPA to full [seq, seq] score, mask and softmax tensors, and on the
+CPU backend those dominate the step. Here block i of n attends only keys [0, end_i), so
+(n - 1) / 2n of the score matrix, the masked upper triangle, is never computed.
+
+The two batched products (scores = q k^T, out = probs v) have their own backward so that every
+gradient product reaches XLA CPU in the one orientation its Eigen kernels run fast: both operands
+row-major, contracting over the left operand's last and the right operand's first dimension, and
+no [keys, head_dim] output (head_dim 16: a narrow matrix). XLA chooses the layouts itself; what
+the code controls is which products it is given (tests/test_model.py checks the compiled result).
+docs/performance.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _QueriesTimesKeys(torch.autograd.Function):
+    """q @ k^T. Backward: dq = ds @ k written out, because from autograd's ds @ (k^T)^T XLA reads
+    the k^T it laid out for the forward, a transposed operand for the contraction over keys
+    (1.5x slower); dk as autograd computes it, (q^T @ ds)^T: a [head_dim, keys] product."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q, k)
+        return q @ k.transpose(-1, -2)
+
+    @staticmethod
+    def backward(ctx, grad_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = ctx.saved_tensors
+        grad_q = grad_scores @ k
+        grad_k = (q.transpose(-1, -2) @ grad_scores).transpose(-1, -2)
+        return grad_q, grad_k
+
+
+class _ProbsTimesValues(torch.autograd.Function):
+    """probs @ v. Backward: dv as (grad_out^T @ probs)^T, a [head_dim, keys] product transposed
+    after, rather than autograd's probs^T @ grad_out, whose [keys, head_dim] output XLA CPU runs
+    2-3x slower. The same sums."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(probs, v)
+        return probs @ v
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, v = ctx.saved_tensors
+        grad_v = (grad_out.transpose(-1, -2) @ probs).transpose(-1, -2)
+        return grad_out @ v.transpose(-1, -2), grad_v
+
+
+class BlockwiseCausalAttention(nn.Module):
+    """Causal attention over [batch, heads, seq, head_dim] in `blocks` query blocks; replaces a
+    block's `attention.sdpa` (parallelize_llama.apply_attention_kernel)."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seqlen = q.shape[-2]
+        n = min(self.blocks, seqlen)
+        bounds = [seqlen * i // n for i in range(n + 1)]
+        q = q * q.shape[-1] ** -0.5
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            scores = _QueriesTimesKeys.apply(q[..., start:end, :], k[..., :end, :])
+            # Each block's mask is built from positions, not sliced from one [seq, seq] mask: with
+            # sliced masks, op-level selective checkpointing (torch's dispatch-mode SAC) on
+            # torch_xla 2.9 gave wrong forward values from 4 blocks on (cause not found; the
+            # selective_op tests compare against no checkpointing bit for bit).
+            above = (torch.arange(end, device=q.device)[None, :]
+                     > torch.arange(start, end, device=q.device)[:, None])
+            scores = scores.masked_fill(above, float("-inf"))  # never a whole row
+            outs.append(_ProbsTimesValues.apply(torch.softmax(scores, dim=-1), v[..., :end, :]))
+        return torch.cat(outs, dim=-2)
