@@ -19,6 +19,14 @@ import torch
 from torch import nn
 
 
+def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:
+    """Save the inputs for backward in the dtype the forward product ran in, and their own dtypes
+    for the gradients: what autograd does under autocast (bf16), where the product's inputs are
+    cast copies (softmax's probabilities stay float32) and each cast's backward casts back."""
+    ctx.save_for_backward(*(x.to(dtype) for x in inputs))
+    ctx.dtypes = tuple(x.dtype for x in inputs)
+
+
 class _QueriesTimesKeys(torch.autograd.Function):
     """q @ k^T. Backward: dq = ds @ k written out, because from autograd's ds @ (k^T)^T XLA reads
     the k^T it laid out for the forward, a transposed operand for the contraction over keys
@@ -26,15 +34,16 @@ class _QueriesTimesKeys(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(q, k)
-        return q @ k.transpose(-1, -2)
+        scores = q @ k.transpose(-1, -2)
+        _save_in_dtype(ctx, scores.dtype, q, k)
+        return scores
 
     @staticmethod
     def backward(ctx, grad_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = ctx.saved_tensors
         grad_q = grad_scores @ k
         grad_k = (q.transpose(-1, -2) @ grad_scores).transpose(-1, -2)
-        return grad_q, grad_k
+        return grad_q.to(ctx.dtypes[0]), grad_k.to(ctx.dtypes[1])
 
 
 class _ProbsTimesValues(torch.autograd.Function):
@@ -44,14 +53,15 @@ class _ProbsTimesValues(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(probs, v)
-        return probs @ v
+        out = probs @ v
+        _save_in_dtype(ctx, out.dtype, probs, v)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs, v = ctx.saved_tensors
         grad_v = (grad_out.transpose(-1, -2) @ probs).transpose(-1, -2)
-        return grad_out @ v.transpose(-1, -2), grad_v
+        return (grad_out @ v.transpose(-1, -2)).to(ctx.dtypes[0]), grad_v.to(ctx.dtypes[1])
 
 
 class BlockwiseCausalAttention(nn.Module):
