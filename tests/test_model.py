@@ -6,10 +6,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import ModelArgs, RopeScaling, Transformer
@@ -17,8 +17,6 @@ from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAtten
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
 
 transformers = pytest.importorskip("transformers")
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Llama 2 style (multi-head, plain RoPE) and Llama 3.1 style (grouped-query, scaled RoPE; the
 # scaling's original context is short so every branch of the frequency blend is exercised).
