@@ -161,12 +161,37 @@ def test_async_mode_without_memory_for_the_snapshot_is_one_clear_line(monkeypatc
         manager._rehearse_snapshot()
 
 
+# The parameters loaded into still in flight when the load starts, as train.py's initial sync leaves
+# them (it does not wait): torch_xla's planner then failed on a loaded CI machine ("Trying to access
+# XLA data ... while an async operation is in flight"). Launched behind a second of unrelated
+# matmuls, the update of every parameter (by 0) is certain to be pending when the load starts.
+PARAMETERS_IN_FLIGHT = """
+import torch, torch_xla
+import torchtitan_xla.checkpoint as ckpt
+_load = ckpt.CheckpointManager.load
+def load(self):
+    x = torch.randn(1024, 1024, device=torch_xla.device())
+    for _ in range(20):
+        x = torch.tanh(x @ x)
+    torch_xla.sync()
+    zero = torch.zeros((), device=torch_xla.device())
+    with torch.no_grad():
+        for p in self.model.parameters():
+            p.add_(zero)
+    torch_xla.sync()  # queued behind the matmuls, not waited for
+    return _load(self)
+ckpt.CheckpointManager.load = load
+"""
+
+
 def test_resume_onto_a_different_mesh_reshards(tmp_path):
-    """Saved on 4 devices (fsdp=4), resumed on 8 (fsdp=4 x tp=2)."""
+    """Saved on 4 devices (fsdp=4), resumed on 8 (fsdp=4 x tp=2) with its parameters in flight."""
     losses, _ = run(tmp_path / "a", "--training.local_batch_size", "2", devices=4)
     resumed_folder = _copy_up_to(tmp_path / "a", tmp_path / "b", 3)
-    resumed, _ = run(resumed_folder, "--training.local_batch_size", "2",
-                     "--parallelism.tensor_parallel_degree", "2", devices=8)
+    resumed, log = run(resumed_folder, "--training.local_batch_size", "2",
+                       "--parallelism.tensor_parallel_degree", "2", devices=8,
+                       prelude=PARAMETERS_IN_FLIGHT)
+    assert "Resumed from" in log and "step-3" in log
     # Same state, different reduction order from step 4 on: measured max relative difference 1.2e-7.
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(losses[step], rel=2e-6)
@@ -230,15 +255,24 @@ def _truncate_data(step_dir: Path) -> None:
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
 
 
-def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, tmp_path):
+def _garble_data(step_dir: Path) -> None:
+    """The same size (the commit record's check passes), its first record's header unreadable."""
+    data = next(step_dir.glob("*.distcp"))
+    raw = data.read_bytes()
+    data.write_bytes(bytes(b ^ 0xFF for b in raw[:200]) + raw[200:])
+
+
+@pytest.mark.parametrize("damage, found_by", [(_truncate_data, "__0_0.distcp has"), (_garble_data, "UnpicklingError")],
+                         ids=["truncated", "garbled"])
+def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, tmp_path, damage, found_by):
     folder, losses, _ = straight
     copy = _copy_up_to(folder, tmp_path / "d", 6)
     # Resume from step 3 must be what happens: make step 6 unusable, and ask for step 6's run.
-    _truncate_data(copy / "checkpoint" / "step-6")
+    damage(copy / "checkpoint" / "step-6")
     resumed, log = run(copy, "--training.local_batch_size", "8")
     damaged = [ln for ln in log.splitlines() if "is damaged" in ln]
     assert len(damaged) == 1
-    assert f"checkpoint {copy / 'checkpoint' / 'step-6'} is damaged:" in damaged[0]
+    assert f"checkpoint {copy / 'checkpoint' / 'step-6'} is damaged: {found_by}" in damaged[0]
     assert "falling back to step-3" in damaged[0]
     assert resumed == {s: losses[s] for s in (4, 5, 6)}
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan_xla.config_manager import ConfigError, JobConfig
 from torchtitan_xla.logging import logger
@@ -133,6 +134,15 @@ def verify(path: Path) -> dict[str, Any]:
         if f.stat().st_size != size:
             raise DamagedCheckpoint(f"{name} has {f.stat().st_size} bytes, {size} were written")
     return record
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for a failed DCP load. DCP wraps each rank's error in a CheckpointException, a
+    BaseException whose own text is a traceback: report the first wrapped error instead."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
 
 
 def _materialise() -> None:
@@ -403,6 +413,10 @@ class CheckpointManager:
         import torch_xla.experimental.distributed_checkpoint as xc
 
         record = verify(path)
+        # The tensors loaded into may still be in flight (the initial weights' computation runs
+        # asynchronously): torch_xla's load planner reads each shard's placement from the device
+        # data and fails on a pending tensor ("...while an async operation is in flight").
+        _materialise()
         contents = set(record["contents"])
         exclude = set(self.cfg.exclude_from_loading)
         model_only = contents == {"model"}
@@ -421,9 +435,8 @@ class CheckpointManager:
             with torch.no_grad():  # loads in place into the (sharded) parameters and states
                 dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
                          planner=xc.SPMDLoadPlanner(), process_group=self.process_group)
-        except Exception as e:  # DCP reports a truncated or inconsistent file in many ways
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise DamagedCheckpoint(f"{type(e).__name__}: {first}"[:300]) from None
+        except (Exception, CheckpointException) as e:  # a truncated or garbled file, in many ways
+            raise DamagedCheckpoint(_first_failure(e)) from None
         self.model.load_state_dict(states["model"])
         if model_only:
             # A seed or exported checkpoint: weights only, training starts at its step.
@@ -456,12 +469,14 @@ class CheckpointManager:
             try:
                 verify(path)
                 states = {"model": self.model.state_dict(keep_vars=True)}
+                _materialise()  # as in _load: the planner needs the weights' data, not in flight
                 with torch.no_grad():
                     dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
                              planner=xc.SPMDLoadPlanner(), process_group=self.process_group)
-            except DamagedCheckpoint as e:
+            except (Exception, CheckpointException) as e:
+                reason = e if isinstance(e, DamagedCheckpoint) else _first_failure(e)
                 raise ConfigError(
-                    f"[checkpoint] initial_load_path: {path} is not a usable checkpoint: {e}") from None
+                    f"[checkpoint] initial_load_path: {path} is not a usable checkpoint: {reason}") from None
             self.model.load_state_dict(states["model"])
         kind = " (HuggingFace)" if self.cfg.initial_load_in_hf else ""
         logger.info(f"Initial weights loaded from {path}{kind}")
