@@ -146,7 +146,7 @@ def _first_failure(e: BaseException) -> str:
 
 
 def _materialise() -> None:
-    """Run every pending computation (the step, the snapshot) and wait for it."""
+    """Run every pending computation (the step, the snapshot, the initial weights) and wait for it."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
