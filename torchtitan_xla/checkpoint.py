@@ -466,10 +466,10 @@ class CheckpointManager:
         if self.cfg.initial_load_in_hf:
             load_hf_into_model(self.model, self.model_args, path, mesh)
         else:
+            _materialise()  # as in _load: the planner needs the weights' data, not in flight
             try:
                 verify(path)
                 states = {"model": self.model.state_dict(keep_vars=True)}
-                _materialise()  # as in _load: the planner needs the weights' data, not in flight
                 with torch.no_grad():
                     dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
                              planner=xc.SPMDLoadPlanner(), process_group=self.process_group)
