@@ -31,7 +31,7 @@ if os.environ.get("PJRT_DEVICE") == "CPU" and "region_analysis" not in os.enviro
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_cpu_copy_insertion_use_region_analysis=true").strip()
 
-from torchtitan_xla.config_manager import ConfigError, JobConfig, parse_args  # noqa: E402
+from torchtitan_xla.config_manager import ConfigError, JobConfig, RunError, parse_args  # noqa: E402
 
 if TYPE_CHECKING:
     from torchtitan_xla.metrics import StepStats
@@ -262,3 +262,6 @@ if __name__ == "__main__":
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -231,6 +231,39 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(straight, tmp_path)
     assert committed_steps(ckpt) == [6] and not (ckpt / "step-6.partial").exists()
 
 
+def _train_py(folder: Path, *extra: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """train.py itself (the whole debug model), for its exit code and error line; with
+    `file_size_limit`, no file it writes may grow past that many bytes (RLIMIT_FSIZE: a full disk,
+    reproducibly; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *tiny_args(folder, *CKPT, *extra)],
+                          capture_output=True, text=True, env={**_cpu_env(), "CPU_NUM_DEVICES": "1"},
+                          preexec_fn=limit if file_size_limit else None)
+
+
+def test_a_failed_write_is_one_line_exit_1_and_keeps_the_previous_checkpoint(tmp_path):
+    folder = tmp_path / "w"
+    assert _train_py(folder, "--training.steps", "3").returncode == 0
+    step3 = folder / "checkpoint" / "step-3"
+    before = {f.name: f.read_bytes() for f in step3.iterdir()}
+    # The logs fit in 1 MB; the step-6 checkpoint (~96 MB) does not. In both modes the same line:
+    # async mode reports the background write's failure when the loop next waits for it.
+    for mode in ("disabled", "async"):
+        p = _train_py(folder, "--training.steps", "6", "--checkpoint.async_mode", mode, file_size_limit=2**20)
+        assert p.returncode == 1, p.stderr[-2000:]
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+        assert errors == [f"error: checkpoint step-6 could not be written in {folder / 'checkpoint'}: "
+                          f"OSError: [Errno 27] File too large; step-3 is the newest checkpoint"], mode
+        assert "Traceback" not in p.stderr and "Resumed from" in p.stderr
+        assert committed_steps(folder / "checkpoint") == [3]
+        assert not (folder / "checkpoint" / "step-6.partial").exists()  # its space is given back
+        assert {f.name: f.read_bytes() for f in step3.iterdir()} == before
+
+
 def test_sigterm_saves_the_current_step_and_exits_0(straight, tmp_path):
     _, losses, _ = straight
     folder = tmp_path / "t"

@@ -12,6 +12,8 @@ Safety:
   process killed mid-save leaves the previous checkpoint as the newest one.
 - A checkpoint that fails to load is reported in one line naming it; the run falls back to the
   previous one (or stops, with `on_damaged = "error"`). It never silently starts from scratch.
+- A save that cannot be written (a full disk) stops the run in one line, exit code 1; its partial
+  folder is deleted and older checkpoints are kept.
 - `keep_latest_k` deletes old checkpoints only after a newer one is committed.
 - SIGTERM (Cloud TPU preemption) finishes the current step, saves, and exits 0.
 """
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_xla.config_manager import ConfigError, JobConfig
+from torchtitan_xla.config_manager import ConfigError, JobConfig, RunError
 from torchtitan_xla.logging import logger
 
 COMMIT_FILE = "COMMITTED"
@@ -137,10 +139,16 @@ def verify(path: Path) -> dict[str, Any]:
 
 
 def _first_failure(e: BaseException) -> str:
-    """One line for a failed DCP load. DCP wraps each rank's error in a CheckpointException, a
-    BaseException whose own text is a traceback: report the first wrapped error instead."""
+    """One line for a failed DCP load or save. DCP wraps each rank's error in a
+    CheckpointException, a BaseException whose own text is a traceback: report the first wrapped
+    error instead; or the OSError under it, which a user can act on (torch.save reports a full
+    disk as "unexpected pos 704 vs 598", raised while handling the OSError)."""
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
+    cause = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    e = cause or e
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first}"[:300]
 
@@ -318,18 +326,27 @@ class CheckpointManager:
         start = time.perf_counter()
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}{_PARTIAL}"
-        if self.host_rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a process killed mid-save
-            partial.mkdir(parents=True)
-        self._barrier()
-        dcp.save(states, storage_writer=_writer(partial), planner=_save_planner(),
-                 process_group=self._write_group)
-        if self.host_rank == 0:
-            # What the weights are, so converters need neither the config nor the tokenizer.
-            from torchtitan_xla.hf_checkpoint import model_args_to_json
+        try:
+            if self.host_rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a process killed mid-save
+                partial.mkdir(parents=True)
+            self._barrier()
+            dcp.save(states, storage_writer=_writer(partial), planner=_save_planner(),
+                     process_group=self._write_group)
+            if self.host_rank == 0:
+                # What the weights are, so converters need neither the config nor the tokenizer.
+                from torchtitan_xla.hf_checkpoint import model_args_to_json
 
-            (partial / MODEL_ARGS_FILE).write_text(model_args_to_json(self.model_args))
-            _write_commit(partial, step, sorted(states))
+                (partial / MODEL_ARGS_FILE).write_text(model_args_to_json(self.model_args))
+                _write_commit(partial, step, sorted(states))
+        except (Exception, CheckpointException) as e:  # DCP gives every host the same exception
+            if self.host_rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)  # a full disk needs the space back
+            steps = committed_steps(self.folder)
+            newest = f"step-{steps[-1]} is the newest checkpoint" if steps else "no checkpoint was written"
+            raise RunError(f"checkpoint step-{step} could not be written in {self.folder}: "
+                           f"{_first_failure(e)}; {newest}") from None
+        if self.host_rank == 0:
             if final.exists():  # an older save of the same step (e.g. a re-run)
                 shutil.rmtree(final)
             os.replace(partial, final)

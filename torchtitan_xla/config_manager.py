@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A user-facing input error: one line, reported without a traceback and exit code 2."""
 
 
+class RunError(RuntimeError):
+    """A failure of what the run writes to (a full disk, a folder it may not write): one line,
+    reported without a traceback and exit code 1."""
+
+
 def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
         le: float | None = None) -> Any:
     """A config field: its default, its help text (shown by --help and docs/config.md) and
