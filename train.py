@@ -22,14 +22,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GS
 # runs every parallelism, scan, float8 and resume with it off; not verified on TPU. Read when the
 # first XLA tensor is made: XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it.
 os.environ.setdefault("XLA_DISABLE_FUNCTIONALIZATION", "1")
-# XLA CPU: copy insertion with region analysis. The step updates the parameters and Adam state in
-# buffers it donates, and XLA copies around those updates; with it the debug model's step has 450
-# instead of 700 copies and its graph ran 4-14% faster in three alternating runs
-# (docs/performance.md). A compiler flag: no number changes. Only on the CPU backend; an XLA_FLAGS
-# that names it wins.
-if os.environ.get("PJRT_DEVICE") == "CPU" and "region_analysis" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_cpu_copy_insertion_use_region_analysis=true").strip()
+# XLA CPU compiler flags that make the step faster (torchtitan_xla/launch.py says which and why);
+# only on the CPU backend, and an XLA_FLAGS that names one of them wins. Read when XLA starts.
+if os.environ.get("PJRT_DEVICE") == "CPU":
+    from torchtitan_xla.launch import cpu_features, cpu_xla_flags
+
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), cpu_features())
 
 from torchtitan_xla.config_manager import ConfigError, JobConfig, RunError, parse_args  # noqa: E402
 

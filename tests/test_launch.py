@@ -17,6 +17,7 @@ from torchtitan_xla.launch import (
     Hosts,
     check_disjoint,
     cpu_malloc_env,
+    cpu_xla_flags,
     find_tcmalloc,
     host_env,
     host_identity,
@@ -227,6 +228,29 @@ def test_cpu_malloc_env_leaves_the_users_variables_alone(monkeypatch):
     # an LD_PRELOAD of yours (empty: none) stays as it is, and nothing of ours is added
     for preload in ("", "libjemalloc.so.2"):
         assert cpu_malloc_env({"LD_PRELOAD": preload}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+REGION, WIDE = "--xla_cpu_copy_insertion_use_region_analysis=true", "--xla_cpu_prefer_vector_width=512"
+
+
+def test_cpu_xla_flags_add_ours_unless_named_and_wide_vectors_only_with_avx512():
+    assert cpu_xla_flags("", {"avx2", "avx512f"}) == f"{REGION} {WIDE}"
+    assert cpu_xla_flags("", {"avx2"}) == REGION  # no 512-bit vectors to prefer
+    # the user's flags stay first and as written; one of ours that they name is theirs
+    assert cpu_xla_flags("--xla_dump_to=/d", {"avx512f"}) == f"--xla_dump_to=/d {REGION} {WIDE}"
+    assert (cpu_xla_flags("--xla_cpu_prefer_vector_width=256", {"avx512f"})
+            == f"--xla_cpu_prefer_vector_width=256 {REGION}")
+    assert (cpu_xla_flags("--xla_cpu_copy_insertion_use_region_analysis=false", set())
+            == "--xla_cpu_copy_insertion_use_region_analysis=false")
+
+
+@pytest.mark.parametrize("device, flags", [("CPU", "--xla_dump_to=/d"), ("TPU", "--xla_dump_to=/d")])
+def test_train_py_sets_the_cpu_flags_on_the_cpu_backend_only(device, flags):
+    code = "import os, train; print(os.environ['XLA_FLAGS'])"  # train.py's top, without running it
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PJRT_DEVICE": device, "XLA_FLAGS": flags}).stdout.strip()
+    expected = cpu_xla_flags(flags, launch.cpu_features()) if device == "CPU" else flags
+    assert out == expected and (device == "TPU" or REGION in out)
 
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
