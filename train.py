@@ -9,27 +9,13 @@ named mesh and XLA partitions the step. Each step is one compiled graph.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GSPMD notice
-# torch_xla's functionalization layer off: the replayed step (torchtitan_xla/replay.py) updates
-# tensors under it, which functionalization's wrappers do not see (with it on, every step is
-# traced again, and each traced op costs several times more: pytorch/xla#6294). The test suite
-# runs every parallelism, scan, float8 and resume with it off; not verified on TPU. Read when the
-# first XLA tensor is made: XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it.
-os.environ.setdefault("XLA_DISABLE_FUNCTIONALIZATION", "1")
-# XLA CPU compiler flags that make the step faster (torchtitan_xla/launch.py says which and why);
-# only on the CPU backend, and an XLA_FLAGS that names one of them wins. Read when XLA starts.
-if os.environ.get("PJRT_DEVICE") == "CPU":
-    from torchtitan_xla.launch import cpu_features, cpu_xla_flags
-
-    os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), cpu_features())
-
-from torchtitan_xla.config_manager import ConfigError, JobConfig, RunError, parse_args  # noqa: E402
+from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.errors import run_main
 
 if TYPE_CHECKING:
     from torchtitan_xla.metrics import StepStats
@@ -40,19 +26,22 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     `model_overrides` replace fields of the flavor's ModelArgs (benchmarks and tests use it to vary
     depth or size without adding flavors)."""
+    from torchtitan_xla import runtime
+
+    # Process-wide switches (functionalization, XLA's CPU flags) before XLA makes its first tensor.
+    runtime.configure(job_config.compile.step)
+
     import torch
     import torch.nn.functional as F
-    import torch_xla
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
 
-    from torchtitan_xla.checkpoint import CheckpointManager, TrainState
+    from torchtitan_xla.checkpoint import CheckpointManager, Preemption, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.float8 import convert_to_float8_training
     from torchtitan_xla.launch import host_identity, init_host_group
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
-    from torchtitan_xla.models import get_model_args, model_name_to_cls
+    from torchtitan_xla.models import get_model_args, get_model_class
+    from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
     from torchtitan_xla.optimizer import (
         build_lr_scheduler,
         build_optimizer,
@@ -61,25 +50,30 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     )
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.profiling import maybe_enable_profiling
-    from torchtitan_xla.replay import ReplayedStep
-    from torchtitan_xla.utils import GarbageCollection, compile_stats, set_determinism
+    from torchtitan_xla.utils import GarbageCollection, check_writable, set_determinism
 
     init_logger()
     logger.info(f"Starting job: {job_config.job.description}")
     if job_config.job.print_config:
         logger.info("Effective config:\n" + job_config.to_toml())
 
+    # Where the run writes: shown to be writable now, not at the first checkpoint hours later.
+    dump_folder = Path(job_config.job.dump_folder)
+    check_writable(dump_folder, "[job] dump_folder")
+    if job_config.checkpoint.enable or job_config.checkpoint.create_seed_checkpoint:
+        check_writable(dump_folder / job_config.checkpoint.folder, "[checkpoint] folder")
+
     # Devices: SPMD from the first XLA call on, one mesh over every device of every host.
-    xr.use_spmd()
-    device = torch_xla.device()
-    parallel_dims = ParallelDims.from_config(job_config.parallelism, xr.global_runtime_device_count())
+    device = runtime.init_spmd()
+    device_type = runtime.device_type()
+    parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     # Which host this is: the runtime's answer, or the launcher's where the runtime cannot know
-    # (CPU). Several hosts also share a CPU-side (gloo) group for checkpoint coordination.
-    hosts = host_identity(xr.process_index(), xr.process_count(), xr.device_type())
+    # (CPU). Several hosts also share a CPU-side (gloo) group for checkpoints and preemption.
+    hosts = host_identity(runtime.process_index(), runtime.process_count(), device_type)
     host_rank, host_count = hosts.rank, hosts.count
     process_group = init_host_group(hosts) if host_count > 1 else None
-    if host_count > 1 and xr.process_count() == 1:
-        logger.warning(f"{xr.device_type()} backend: the {host_count} processes cannot form one "
+    if host_count > 1 and runtime.process_count() == 1:
+        logger.warning(f"{device_type} backend: the {host_count} processes cannot form one "
                        f"mesh; each trains its own replica on its share of the batch (host ids, "
                        f"data shards and the gloo group are real: a launch test, not training)")
     training = job_config.training
@@ -87,8 +81,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                     else training.local_batch_size * parallel_dims.dp_degree)
     accumulation_steps = parallel_dims.check_batch(
         global_batch, training.local_batch_size, training.seq_len, host_count)
-    mesh = parallel_dims.build_mesh(xr.device_type())
-    logger.info(f"{xr.global_runtime_device_count()} {xr.device_type()} devices, "
+    mesh = parallel_dims.build_mesh(device_type)
+    logger.info(f"{runtime.device_count()} {device_type} devices, "
                 f"{host_count} host(s); mesh {dict(zip(mesh.axis_names, mesh.mesh_shape))}")
     seed = set_determinism(job_config.debug.seed, job_config.debug.deterministic)
 
@@ -99,7 +93,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     data_loader = build_data_loader(
         job_config, tokenizer, batch_size=global_batch // host_count,
         host_rank=host_rank, host_count=host_count, device=device,
-        input_sharding=xs.ShardingSpec(mesh, (BATCH_AXES, None), minibatch=host_count > 1))
+        input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=host_count))
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
@@ -109,7 +103,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim)
     with torch.device("meta"):
-        model = model_name_to_cls[job_config.model.name](model_args)
+        model = get_model_class(job_config.model.name)(model_args)
     num_params = model.num_params()
     flops_per_token = num_flops_per_token(model_args, model.num_params(exclude_embedding=True),
                                           training.seq_len)
@@ -117,17 +111,18 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 f"vocab {model_args.vocab_size}")
     # Float8 linears replace nn.Linear before parallelize, which finds their weights by name.
     convert_to_float8_training(model, job_config.float8)
+    apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
 
     # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
     # sync below, so the shardings given by parallelize apply to the init computation itself.
     model.to_empty(device=device)
-    parallelize_llama(model, mesh, parallel_dims, job_config, xr.device_type())
+    parallelize_llama(model, mesh, parallel_dims, job_config)
     model.init_weights()
     model.train()
 
     optimizer = build_optimizer(model, job_config)
     lr_scheduler = build_lr_scheduler(optimizer, job_config)
-    torch_xla.sync()
+    runtime.sync()
 
     # Checkpoints: resume from the newest usable one; otherwise start from initial weights if given.
     train_state = TrainState()
@@ -145,10 +140,12 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         checkpoint.load_initial_weights(mesh)
 
     # Inputs are all checked by now: only from here on does the run write anything.
-    dump_folder = Path(job_config.job.dump_folder)
     dump_folder.mkdir(parents=True, exist_ok=True)
     (dump_folder / "config.toml").write_text(job_config.to_toml())
-    checkpoint.install_preemption_handler()
+    # SIGTERM stops the run after a step every host agrees on, with a checkpoint of that step.
+    preemption = Preemption(host_count=host_count, process_group=process_group)
+    if job_config.checkpoint.enable:
+        preemption.install()
 
     metric_logger = build_metric_logger(
         job_config, flops_per_token=flops_per_token,
@@ -189,20 +186,20 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         return torch.stack([loss, grad_norm.detach(), max_loss])
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
-    # graph break. Traced at the first two steps, then the compiled graph is replayed: the host
-    # no longer retraces the step. What it reads and writes must be on the device: the batch,
-    # the lr, and this state.
-    compiled_step = ReplayedStep(
-        train_step, [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)])
+    # graph break. With `replay` the graph is traced at the first two steps and then replayed, so
+    # everything the step reads and writes must be on the device: the batch, the lr, this state.
+    compiled_step = runtime.build_step(
+        job_config.compile.step, train_step,
+        [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)])
 
     gc_handler = GarbageCollection(training.gc_freq)
     data_iterator = iter(data_loader)
     first_step = train_state.step + 1
-    warmup_end = first_step + 1  # the first step compiles; any compile after the second is a bug
-    compiles_after_warmup = None
+    compile_guard = runtime.CompileGuard(first_step, job_config.debug.on_recompile)
     history: list[StepStats] = []
     logger.info(f"Training steps {first_step}..{training.steps}, global batch {global_batch} x "
-                f"{training.seq_len} tokens ({accumulation_steps} accumulation step(s)), seed {seed}")
+                f"{training.seq_len} tokens ({accumulation_steps} accumulation step(s)), seed {seed}, "
+                f"{job_config.compile.step} step")
     metric_logger.reset_timer(train_state.step)
     with maybe_enable_profiling(job_config) as profiler:
         for step in range(first_step, training.steps + 1):
@@ -215,18 +212,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             lr = lr_scheduler.get_last_lr()[0]
             step_stats = compiled_step(inputs, labels, torch.tensor(lr, device=device))
             lr_scheduler.step()
-
-            compiles, _ = compile_stats()
-            if step == warmup_end:
-                compiles_after_warmup = compiles
-            elif compiles_after_warmup is not None and compiles > compiles_after_warmup:
-                message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} "
-                           f"compiles, {compiles_after_warmup} at step {warmup_end}); run with "
-                           f"PT_XLA_DEBUG_LEVEL=1 to see why")
-                if job_config.debug.on_recompile == "error":
-                    raise RuntimeError(message)
-                logger.warning(message)
-                compiles_after_warmup = compiles
+            compile_guard.check(step)
 
             if step == first_step or step % job_config.metrics.log_freq == 0 or step == training.steps:
                 # The one host transfer per log step; it waits for this step to finish.
@@ -234,12 +220,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss))
 
             train_state.step = step
-            if checkpoint.should_save(step, training.steps):
+            # Agreed before the save decision, so that every host saves the same step or none.
+            stopping = job_config.checkpoint.enable and preemption.agreed_stop()
+            if checkpoint.should_save(step, training.steps, stopping=stopping):
                 last = step == training.steps
-                checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
-                if compiles_after_warmup is not None:  # saving compiles small transfer graphs
-                    compiles_after_warmup = compile_stats()[0]
-            if checkpoint.preempted:
+                with compile_guard.allowed():  # saving compiles small transfer graphs
+                    checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
+            if stopping:
                 logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
                 break
     metric_logger.close()
@@ -250,16 +237,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         checkpoint.export_hf(train_state.step, tokenizer)
     if process_group is not None:
         torch.distributed.destroy_process_group()
-    logger.info(f"Training completed: {compile_stats()[0]} XLA compiles in total")
+    logger.info(f"Training completed: {runtime.compile_stats()[0]} XLA compiles in total")
     return history
 
 
+def cli() -> None:
+    main(parse_args())
+
+
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(run_main(cli))

@@ -48,7 +48,7 @@ def disk_write_speed(folder: Path, size: int = 2 * 2**30, chunk: int = 64 * 2**2
 
 def train(args: list[str], overrides: dict) -> str:
     code = (f"import sys, json; sys.path.insert(0, {str(REPO)!r}); import train; "
-            f"from torchtitan_xla.config_manager import parse_args; "
+            f"from torchtitan_xla.config import parse_args; "
             f"train.main(parse_args(sys.argv[2:]), model_overrides=json.loads(sys.argv[1]))")
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="2")
     p = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), *args],

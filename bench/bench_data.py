@@ -42,7 +42,7 @@ def rss_mib(pid: int | str = "self") -> float:
 
 
 def config(*extra: str):
-    from torchtitan_xla.config_manager import parse_args
+    from torchtitan_xla.config import parse_args
 
     return parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
                        "--training.local_batch_size", str(BATCH), "--training.seq_len",
@@ -109,7 +109,7 @@ def llama3_tokenizer():
     """Meta's 128k Llama 3 file from llama-models when installed; otherwise a synthetic file of
     128,000 ranks (the 2k BPE plus filler byte strings that never match: the rank count and
     file size are real, the merges beyond 2k are not)."""
-    from torchtitan_xla.config_manager import ConfigError
+    from torchtitan_xla.config import ConfigError
     from torchtitan_xla.datasets import build_tokenizer
 
     try:

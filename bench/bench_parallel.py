@@ -37,8 +37,9 @@ def child(args: list[str], n_layers: int) -> None:
     """Run one configuration and print its measurements as JSON."""
     sys.path.insert(0, str(REPO))
     import train
-    from torchtitan_xla.config_manager import parse_args
-    from torchtitan_xla.utils import compile_stats, host_memory_gib
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.runtime import compile_stats
+    from torchtitan_xla.utils import host_memory_gib
 
     history = train.main(parse_args(args), model_overrides={"n_layers": n_layers})
     compiles, compile_s = compile_stats()

@@ -75,14 +75,15 @@ def xla_worker(opts) -> None:
     second half, compiles during the round and the peak."""
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("CPU_NUM_DEVICES", "1")
-    import torch_xla.runtime as xr
-
     import train
-    from torchtitan_xla.config_manager import parse_args
+    from torchtitan_xla import runtime
+    from torchtitan_xla.config import parse_args
     from torchtitan_xla.logging import logger
-    from torchtitan_xla.utils import compile_stats
+    from torchtitan_xla.runtime import compile_stats
 
-    xr.use_spmd()  # as train.py does, before any XLA tensor exists
+    # As train.py does, before XLA starts: the matmul peak below starts it, with train.py's flags.
+    runtime.configure("replay")
+    runtime.init_spmd()
     n = opts.steps_per_round
     cfg = parse_args(train_args(opts) + ["--training.steps", str(2 * n), "--metrics.log_freq", str(n)])
 
@@ -102,9 +103,10 @@ def eager_worker(opts) -> None:
     import torch
     import torch.nn.functional as F
 
-    from torchtitan_xla.config_manager import parse_args
+    from torchtitan_xla.config import parse_args
     from torchtitan_xla.datasets import build_tokenizer
-    from torchtitan_xla.datasets.text_datasets import PackedTextDataset, load_documents
+    from torchtitan_xla.datasets.packing import PackedTextDataset
+    from torchtitan_xla.datasets.sources import load_documents
     from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
 
@@ -173,7 +175,8 @@ def main() -> None:
     kinds = ["xla"] + ([] if opts.skip_eager else ["eager"])
     # Both workers get the malloc setting run_train.sh exports on the CPU backend (tcmalloc where
     # installed, glibc's huge pages; docs/performance.md, "Host memory"): the same for both.
-    from torchtitan_xla.launch import cpu_malloc_env
+    from torchtitan_xla.runtime.process import cpu_features, cpu_malloc_env, cpu_model, vector_features
+
     malloc_env = cpu_malloc_env(os.environ)
     env = {**os.environ, **malloc_env}
     workers = {}
@@ -211,7 +214,8 @@ def main() -> None:
     flops = num_flops_per_token(args, n_params, opts.seq_len) * tokens
     peaks = [r["peak"] for r in results["xla"]]
     peak = statistics.median(peaks)
-    print(f"machine: {os.cpu_count()} cores; torch {torch.__version__}; XLA fp32 matmul peak "
+    print(f"machine: {cpu_model()} ({vector_features(cpu_features())}), {os.cpu_count()} cores; "
+          f"torch {torch.__version__}; XLA fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s (median of rounds; range {min(peaks) / 1e9:.0f}-"
           f"{max(peaks) / 1e9:.0f})")
     print(f"model: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "

@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchtitan_xla.checkpoint import write_model_checkpoint  # noqa: E402
-from torchtitan_xla.config_manager import ConfigError  # noqa: E402
-from torchtitan_xla.hf_checkpoint import read_hf_state_dict  # noqa: E402
-from torchtitan_xla.models.llama.model import ModelArgs, RopeScaling  # noqa: E402
+from torchtitan_xla.checkpoint.commit import write_model_checkpoint  # noqa: E402
+from torchtitan_xla.checkpoint.hf import read_hf_state_dict  # noqa: E402
+from torchtitan_xla.errors import ConfigError, first_line, run_main  # noqa: E402
+from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling  # noqa: E402
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf  # noqa: E402
 
 
@@ -55,12 +55,11 @@ def main() -> int:
         name = Path(args.out).name
         step = int(name.removeprefix("step-")) if name.startswith("step-") else 0
         write_model_checkpoint(state, model_args, args.out, step=step)
-    except (ConfigError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (KeyError, FileNotFoundError) as e:  # a config.json or weights not of a Llama
+        raise ConfigError(f"{args.hf_dir}: {first_line(e)}") from None
     print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -35,8 +35,8 @@ setup_python() {
 
   if _has_modules "$base" torch_xla; then
     PY="$(command -v "$base")"
-    if ! _has_modules "$PY" torchtitan_xla tiktoken sentencepiece tomli_w datasets torchdata \
-        || { [[ -n "$extras" ]] && ! _has_modules "$PY" pytest transformers; }; then
+    if ! _has_modules "$PY" torchtitan_xla tiktoken sentencepiece tomli_w datasets torchdata transformers \
+        || { [[ -n "$extras" ]] && ! _has_modules "$PY" pytest; }; then
       echo "[setup] adding torchtitan_xla to $PY (torch and torch_xla left as they are)" >&2
       "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
       "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude torch torch_xla)

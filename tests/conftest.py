@@ -31,3 +31,14 @@ def xla_device():
 
     xr.use_spmd()  # every in-process XLA test runs the way train.py does
     return torch_xla.device()
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory):
+    """6 steps on one device, saved at 3 and 6, exported to HuggingFace at the end: (folder,
+    losses, log). Shared by the checkpoint and HF export tests."""
+    from checkpoint_helpers import run
+
+    folder = tmp_path_factory.mktemp("straight")
+    losses, log = run(folder, "--training.local_batch_size", "8", "--checkpoint.last_save_in_hf")
+    return folder, losses, log

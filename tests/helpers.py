@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,6 +25,33 @@ class Run:
     @property
     def losses(self) -> dict[int, float]:
         return {int(s): float(v) for s, v in STEP_LINE.findall(self.stderr)}
+
+
+class LogRecords(logging.Handler):
+    """What the project's logger emitted while installed (see `capture_logs`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def messages(self, level=logging.INFO) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@contextlib.contextmanager
+def capture_logs():
+    """`with capture_logs() as log:` ... `log.messages(logging.WARNING)`."""
+    from torchtitan_xla.logging import logger
+
+    handler = LogRecords()
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
 
 
 def _env(devices: int, extra: dict[str, str | None] | None) -> dict[str, str]:
@@ -62,7 +91,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 {prelude}
 import train
-from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.config import parse_args
 history = train.main(parse_args(sys.argv[2:]), model_overrides=json.loads(sys.argv[1]))
 print("LOSSES " + json.dumps({{s.step: s.loss for s in history}}), flush=True)
 """
@@ -107,8 +136,8 @@ import torch_xla.distributed.spmd as xs
 import train
 import torchtitan_xla.optimizer as optimizer_module
 import torchtitan_xla.parallelisms as parallelisms_module
-from torchtitan_xla.config_manager import parse_args
-from torchtitan_xla.utils import compile_stats
+from torchtitan_xla.config import parse_args
+from torchtitan_xla.runtime import compile_stats
 
 captured = {{}}
 real_parallelize, real_build_optimizer = parallelisms_module.parallelize_llama, optimizer_module.build_optimizer

@@ -1,8 +1,8 @@
 """Checkpoints: bit-exact resume in a new process, resharding, a save killed midway, preemption,
-damaged checkpoints, seed checkpoints and HuggingFace interop.
+damaged checkpoints and seed checkpoints (HuggingFace interop: test_hf_export.py).
 
-Every run is a fresh process (tests/helpers.py). The debug model is cut to 2 blocks (every code
-path is the same, compiles are faster); runs are 6 steps with a checkpoint every 3.
+Every run is a fresh process (tests/checkpoint_helpers.py): the debug model cut to 2 blocks, 6 steps
+with a checkpoint every 3.
 """
 
 import json
@@ -15,29 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, losses_of, tiny_args, train_process, train_run
+from checkpoint_helpers import CKPT, TWO_BLOCKS, args, run
+from helpers import REPO, losses_of, tiny_args, train_process
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
-from torchtitan_xla.config_manager import ConfigError
-
-TWO_BLOCKS = {"n_layers": 2}
-CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
-
-
-def args(folder: Path, *extra: str) -> list[str]:
-    return tiny_args(folder, "--training.steps", "6", *CKPT, *extra)
-
-
-def run(folder: Path, *extra: str, devices: int = 1, **kw):
-    return train_run(args(folder, *extra), devices=devices, model_overrides=TWO_BLOCKS, **kw)
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """6 steps on one device, saved at 3 and 6, exported to HuggingFace at the end."""
-    folder = tmp_path_factory.mktemp("straight")
-    losses, log = run(folder, "--training.local_batch_size", "8", "--checkpoint.last_save_in_hf")
-    return folder, losses, log
+from torchtitan_xla.config import ConfigError
 
 
 def _copy_up_to(src: Path, dst: Path, step: int) -> Path:
@@ -67,7 +49,8 @@ import json, sys, time
 import torch, torch_xla
 from torch.utils._pytree import tree_flatten
 import torchtitan_xla.checkpoint as ckpt
-_write_snapshot, _device_snapshot = ckpt.CheckpointManager._write_snapshot, ckpt._device_snapshot
+import torchtitan_xla.runtime.checkpointing as checkpointing
+_write_snapshot, _device_snapshot = ckpt.CheckpointManager._write_snapshot, checkpointing.device_snapshot
 def write_snapshot(self, step, snapshot, model_only):
     while step == 3 and self.train_state.step < 4:
         time.sleep(0.05)
@@ -80,7 +63,7 @@ def device_snapshot(states):
              if isinstance(a, torch.Tensor) and a.device.type == "xla"]
     print("SNAPSHOT SHARDINGS " + json.dumps(pairs), file=sys.stderr, flush=True)
     return copy
-ckpt.CheckpointManager._write_snapshot, ckpt._device_snapshot = write_snapshot, device_snapshot
+ckpt.CheckpointManager._write_snapshot, checkpointing.device_snapshot = write_snapshot, device_snapshot
 """
 
 
@@ -124,7 +107,7 @@ def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
     assert all(torch.equal(async_state[k], sync_state[k]) for k in sync_state), \
         [k for k in sync_state if not torch.equal(async_state[k], sync_state[k])]
     # Every parameter is in the checkpoint, also the norms, which are replicated over tp (torch_xla's
-    # planner alone drops such tensors: see checkpoint._save_planner).
+    # planner alone drops such tensors: see runtime/checkpointing.save_planner).
     state, _ = read_model_state(tmp_path / "a" / "checkpoint" / "step-3")
     assert len(state) == 2 + 2 * 9 + 1 and "layers.1.ffn_norm.weight" in state
     resumed_folder = _copy_up_to(tmp_path / "a", tmp_path / "b", 3)
@@ -140,11 +123,12 @@ def test_async_mode_without_memory_for_the_snapshot_is_one_clear_line(monkeypatc
     # The out-of-memory itself cannot be provoked on the CPU backend without gigabytes of state;
     # the device's error is injected where the trial snapshot would raise it.
     import torchtitan_xla.checkpoint as ckpt
+    import torchtitan_xla.runtime.checkpointing as checkpointing
 
     def no_memory(states):
         raise RuntimeError(device_error)
 
-    monkeypatch.setattr(ckpt, "_device_snapshot", no_memory)
+    monkeypatch.setattr(checkpointing, "device_snapshot", no_memory)
     manager = object.__new__(ckpt.CheckpointManager)  # only the trial snapshot, no model
     manager._states = lambda model_only: {}
     with pytest.raises(ConfigError) as e:
@@ -156,7 +140,7 @@ def test_async_mode_without_memory_for_the_snapshot_is_one_clear_line(monkeypatc
     def other_failure(states):
         raise RuntimeError("Check failed: tensor_data")
 
-    monkeypatch.setattr(ckpt, "_device_snapshot", other_failure)
+    monkeypatch.setattr(checkpointing, "device_snapshot", other_failure)
     with pytest.raises(RuntimeError, match="^Check failed: tensor_data$"):
         manager._rehearse_snapshot()
 
@@ -201,14 +185,14 @@ def test_resume_onto_a_different_mesh_reshards(tmp_path):
 # has written its files and before the commit.
 SLOW_SAVE = """
 import time
-import torchtitan_xla.checkpoint as ckpt
-_write_commit = ckpt._write_commit
+import torchtitan_xla.checkpoint.commit as commit
+_write_commit = commit.write_commit
 def slow_commit(path, step, contents):
     if step == 6:
         print("SAVING", flush=True)
         time.sleep(120)
     _write_commit(path, step, contents)
-ckpt._write_commit = slow_commit
+commit.write_commit = slow_commit
 """
 
 
@@ -360,61 +344,3 @@ def test_seed_checkpoint_makes_runs_start_identical(tmp_path):
         starts.append(losses[1])
     # Without the seed checkpoint these seeds give different losses (test_train checks seeds matter).
     assert starts[0] == starts[1]
-
-
-# ---- HuggingFace interop ----------------------------------------------------------------------
-
-
-def test_export_loads_in_transformers_with_equal_logits(straight):
-    transformers = pytest.importorskip("transformers")
-    from torchtitan_xla.models.llama import Transformer
-
-    folder, _, _ = straight
-    hf_dir = folder / "checkpoint" / "step-6-hf"
-    assert {p.name for p in hf_dir.iterdir()} == {"model.safetensors", "config.json"}
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()
-    state, model_args = read_model_state(folder / "checkpoint" / "step-6")
-    ours = Transformer(model_args)  # on the CPU: RoPE tables are computed by the constructor
-    ours.load_state_dict(state)
-    tokens = torch.randint(0, model_args.vocab_size, (2, 64))
-    with torch.no_grad():
-        expected, got = hf(tokens).logits, ours(tokens)
-    # float32 on both sides; they differ in summation order and in RoPE's angle precision.
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-    config = json.loads((hf_dir / "config.json").read_text())
-    assert config["vocab_size"] == 2256 and config["num_hidden_layers"] == 2
-    assert (config["bos_token_id"], config["eos_token_id"]) == (2000, 2001)
-
-
-def test_import_round_trip_and_initial_load(straight, tmp_path):
-    folder, _, _ = straight
-    hf_dir = folder / "checkpoint" / "step-6-hf"
-    out = tmp_path / "imported" / "step-0"
-    p = subprocess.run([sys.executable, str(REPO / "scripts/convert_from_hf.py"), str(hf_dir), str(out)],
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    imported, _ = read_model_state(out)
-    original, _ = read_model_state(folder / "checkpoint" / "step-6")
-    assert imported.keys() == original.keys()
-    for k in original:
-        assert torch.equal(imported[k], original[k]), k  # exact: names and RoPE permutation invert
-    # A run starting from the HF folder and one starting from the checkpoint see the same weights.
-    from_hf, log = run(tmp_path / "h", "--training.steps", "1", "--checkpoint.initial_load_path", str(hf_dir),
-                       "--checkpoint.initial_load_in_hf")
-    assert "Initial weights loaded from" in log and "(HuggingFace)" in log
-    from_ckpt, _ = run(tmp_path / "c", "--training.steps", "1", "--checkpoint.initial_load_path",
-                       str(folder / "checkpoint" / "step-6"))
-    assert from_hf == from_ckpt
-
-
-def test_convert_to_hf_script_matches_the_in_training_export(straight, tmp_path):
-    folder, _, _ = straight
-    out = tmp_path / "hf"
-    p = subprocess.run([sys.executable, str(REPO / "scripts/convert_to_hf.py"),
-                        str(folder / "checkpoint" / "step-6"), str(out)], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    from safetensors.torch import load_file
-
-    a = load_file(str(out / "model.safetensors"))
-    b = load_file(str(folder / "checkpoint" / "step-6-hf" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

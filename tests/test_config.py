@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_xla import config_manager as cm
-from torchtitan_xla.config_manager import ConfigError, parse_args
+from torchtitan_xla.config import ConfigError, job_config, parse_args, reference
+from torchtitan_xla.config import manager as cm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def test_precedence_cli_over_toml_over_default(tmp_path):
     assert cfg.training.steps == 3  # command line beats TOML
     assert cfg.training.seq_len == 128  # TOML beats default
     assert cfg.optimizer.lr == 0.01
-    assert cfg.training.local_batch_size == cm.Training().local_batch_size  # default
+    assert cfg.training.local_batch_size == job_config.Training().local_batch_size  # default
 
 
 def test_cli_syntax_forms(tmp_path):
@@ -67,7 +67,7 @@ def test_help_lists_every_option_with_type_default_and_help():
                          text=True, check=True).stdout
     for section, cls in cm._sections().items():
         for key, (tp, f) in cm._fields(cls).items():
-            line = f"--{section}.{key} {cm.type_name(tp)}  (default: {cm._default_text(f)})"
+            line = f"--{section}.{key} {cm.type_name(tp)}  (default: {reference._default_text(f)})"
             assert line in out
             assert f.metadata["help"] in out
     assert "--training.mixed_precision_param {float32,bfloat16}  (default: 'bfloat16')" in out
@@ -75,8 +75,8 @@ def test_help_lists_every_option_with_type_default_and_help():
 
 def test_docs_config_md_is_generated_from_the_dataclasses():
     committed = (REPO / "docs" / "config.md").read_text()
-    assert committed == cm.markdown_reference(), (
-        "docs/config.md is stale: python -m torchtitan_xla.config_manager --markdown > docs/config.md")
+    assert committed == reference.markdown_reference(), (
+        "docs/config.md is stale: python -m torchtitan_xla.config --markdown > docs/config.md")
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -8,16 +8,12 @@ import time
 import pytest
 import torch
 from data_helpers import CharTokenizer, one_window_docs, write_c4, write_jsonl
+from helpers import capture_logs
 
-from torchtitan_xla.config_manager import ConfigError, parse_args
+from torchtitan_xla.config import ConfigError, parse_args
 from torchtitan_xla.datasets import build_data_loader, check_vocab_size
-from torchtitan_xla.datasets.text_datasets import (
-    PackedTextDataset,
-    _from_generator,
-    _yield_texts,
-    load_documents,
-)
-from torchtitan_xla.logging import logger
+from torchtitan_xla.datasets.packing import PackedTextDataset
+from torchtitan_xla.datasets.sources import _from_generator, _yield_texts, load_documents
 
 DOCS = [f"document {i} " + "x" * (i % 7) for i in range(40)]
 
@@ -67,15 +63,9 @@ def test_windows_are_the_token_stream_cut_into_seq_len_plus_one():
 
 
 def test_end_of_data_reloops_deterministically_and_logs_it():
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
+    with capture_logs() as log:
         docs = one_window_docs(30)
         windows = [CharTokenizer().decode(w[0].tolist()) for w in take(iter(stream(docs, 15)), 75)]
-    finally:
-        logger.removeHandler(handler)
     # Every epoch holds every document once (HF reorders the shards of later epochs by epoch
     # number: deterministic), and re-running gives the same sequence.
     for e in range(2):
@@ -83,7 +73,7 @@ def test_end_of_data_reloops_deterministically_and_logs_it():
     assert windows[:30] == docs
     again = [CharTokenizer().decode(w[0].tolist()) for w in take(iter(stream(docs, 15)), 75)]
     assert again == windows
-    messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    messages = log.messages(logging.WARNING)
     for epoch in (1, 2):
         assert (f"dataset test (host 0 of 1): end of data, re-looping from the start "
                 f"(epoch {epoch})") in messages
@@ -152,7 +142,7 @@ RESUME_DRIVER = """
 import json, pickle, sys, time
 sys.path[:0] = {paths!r}
 from data_helpers import CharTokenizer
-from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.config import parse_args
 from torchtitan_xla.datasets import build_data_loader
 
 mode, state_file = sys.argv[1:3]
@@ -453,7 +443,7 @@ import sys
 sys.path[:0] = {paths!r}
 import torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
 from data_helpers import CharTokenizer
-from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.config import parse_args
 from torchtitan_xla.datasets import build_data_loader
 from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims
 
@@ -511,8 +501,8 @@ def test_a_bad_document_line_stops_train_py_with_one_line(tmp_path):
 def test_the_config_offers_exactly_the_registered_datasets():
     import typing
 
-    from torchtitan_xla.config_manager import Training
-    from torchtitan_xla.datasets.text_datasets import DATASET_NAMES
+    from torchtitan_xla.config.job_config import Training
+    from torchtitan_xla.datasets.sources import DATASET_NAMES
 
     choices = typing.get_args(typing.get_type_hints(Training)["dataset"])
     assert choices == DATASET_NAMES

@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import REPO, run_train, tiny_args, train_many, train_run
 
-from torchtitan_xla.config_manager import ConfigError, parse_args
+from torchtitan_xla.config import ConfigError, parse_args
 from torchtitan_xla.float8 import (
     E4M3,
     E5M2,

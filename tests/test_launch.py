@@ -6,19 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from helpers import REPO
 
-from torchtitan_xla import launch
-from torchtitan_xla.config_manager import ConfigError, parse_args
+from torchtitan_xla.config import ConfigError, parse_args
 from torchtitan_xla.launch import (
     Hosts,
     check_disjoint,
-    cpu_malloc_env,
-    cpu_xla_flags,
-    find_tcmalloc,
     host_env,
     host_identity,
     parse_nodelist,
@@ -26,6 +21,8 @@ from torchtitan_xla.launch import (
     tpu_env,
     tpu_hosts_per_slice,
 )
+from torchtitan_xla.runtime import process
+from torchtitan_xla.runtime.process import find_tcmalloc
 
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 
@@ -200,7 +197,7 @@ def test_torchrun_variables_on_tpu_need_the_hostnames():
 
 
 def test_host_env_on_cpu(monkeypatch):
-    monkeypatch.setattr(launch, "find_tcmalloc", lambda: None)  # as on a host without it
+    monkeypatch.setattr(process, "find_tcmalloc", lambda: None)  # as on a host without it
     cfg = parse_args(["--job.config_file", CONFIG, "--parallelism.tensor_parallel_degree", "2"])
     hosts = resolve_hosts({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1"})
     assert host_env(hosts, 1, cfg, {"PJRT_DEVICE": "CPU"}) == {
@@ -210,110 +207,13 @@ def test_host_env_on_cpu(monkeypatch):
     env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
     assert host_env(resolve_hosts({}), 0, cfg, env) == env
     # where tcmalloc is installed it is preloaded too, on the CPU backend only
-    monkeypatch.setattr(launch, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(process, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
     assert host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU"}) == {
         "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
         "LD_PRELOAD": "libtcmalloc_minimal.so.4",
         "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
     tpu = {"PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v4-8"}
     assert "LD_PRELOAD" not in host_env(resolve_hosts({}), 0, cfg, tpu, metadata=False)
-
-
-def test_cpu_malloc_env_leaves_the_users_variables_alone(monkeypatch):
-    monkeypatch.setattr(launch, "find_tcmalloc", lambda: None)
-    assert cpu_malloc_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    assert cpu_malloc_env({"GLIBC_TUNABLES": ""}) == {"GLIBC_TUNABLES": ""}
-    monkeypatch.setattr(launch, "find_tcmalloc", lambda: "libtcmalloc.so.4")
-    assert cpu_malloc_env({})["LD_PRELOAD"] == "libtcmalloc.so.4"
-    # an LD_PRELOAD of yours (empty: none) stays as it is, and nothing of ours is added
-    for preload in ("", "libjemalloc.so.2"):
-        assert cpu_malloc_env({"LD_PRELOAD": preload}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-
-
-REGION, WIDE = "--xla_cpu_copy_insertion_use_region_analysis=true", "--xla_cpu_prefer_vector_width=512"
-
-
-def test_cpu_xla_flags_add_ours_unless_named_and_wide_vectors_only_with_avx512():
-    assert cpu_xla_flags("", {"avx2", "avx512f"}) == f"{REGION} {WIDE}"
-    assert cpu_xla_flags("", {"avx2"}) == REGION  # no 512-bit vectors to prefer
-    # the user's flags stay first and as written; one of ours that they name is theirs
-    assert cpu_xla_flags("--xla_dump_to=/d", {"avx512f"}) == f"--xla_dump_to=/d {REGION} {WIDE}"
-    assert (cpu_xla_flags("--xla_cpu_prefer_vector_width=256", {"avx512f"})
-            == f"--xla_cpu_prefer_vector_width=256 {REGION}")
-    assert (cpu_xla_flags("--xla_cpu_copy_insertion_use_region_analysis=false", set())
-            == "--xla_cpu_copy_insertion_use_region_analysis=false")
-
-
-@pytest.mark.parametrize("device, flags", [("CPU", "--xla_dump_to=/d"), ("TPU", "--xla_dump_to=/d")])
-def test_train_py_sets_the_cpu_flags_on_the_cpu_backend_only(device, flags):
-    code = "import os, train; print(os.environ['XLA_FLAGS'])"  # train.py's top, without running it
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PJRT_DEVICE": device, "XLA_FLAGS": flags}).stdout.strip()
-    expected = cpu_xla_flags(flags, launch.cpu_features()) if device == "CPU" else flags
-    assert out == expected and (device == "TPU" or REGION in out)
-
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-# Python that mallocs straight from libc (whichever malloc the process has), for the tests below.
-LIBC_MALLOC = ("import ctypes, re, resource\n"
-               "libc = ctypes.CDLL(None)\n"
-               "libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]\n"
-               "libc.free.argtypes = [ctypes.c_void_p]\n")
-
-
-def run_python(code: str, malloc_env: dict[str, str]) -> str:
-    """Run `code` in a fresh Python whose malloc variables are exactly `malloc_env`; its stdout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
-    out = subprocess.run([sys.executable, "-c", LIBC_MALLOC + code], env=env | malloc_env,
-                         capture_output=True, text=True, check=True)
-    assert out.stderr == ""  # nothing from the allocator either
-    return out.stdout
-
-
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
-                    reason="the kernel's transparent huge pages are off")
-def test_cpu_malloc_setting_gives_the_process_huge_pages():
-    """What host_env exports on CPU must reach glibc: a fresh 256 MB malloc, the kind of block XLA
-    CPU allocates for every execution's temporaries, is backed by transparent huge pages."""
-    code = ("p = libc.malloc(256 << 20)\n"
-            "ctypes.memset(p, 1, 256 << 20)\n"
-            "smaps = open('/proc/self/smaps_rollup').read()\n"
-            "print(re.search(r'AnonHugePages:\\s+(\\d+) kB', smaps).group(1))\n")
-
-    def huge_page_mib(malloc_env: dict[str, str]) -> float:
-        return int(run_python(code, malloc_env)) / 1024
-
-    cfg = parse_args(["--job.config_file", CONFIG])
-    exported = host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU"})
-    assert huge_page_mib({"GLIBC_TUNABLES": exported["GLIBC_TUNABLES"]}) >= 200
-    if "[madvise]" in THP.read_text():  # huge pages only where asked for: none without it
-        assert huge_page_mib({}) < 200
-
-
-@pytest.mark.skipif(find_tcmalloc() is None, reason="tcmalloc is not installed on this host")
-def test_preloaded_tcmalloc_hands_a_freed_block_back_without_page_faults():
-    """What tcmalloc is preloaded for: XLA CPU frees each execution's temporary buffer and mallocs
-    it again the next step. Under the exported variables a 256 MB block written, freed and
-    allocated again is not faulted in again; under glibc alone (huge pages) it is, every time."""
-    code = ("faults = []\n"
-            "for _ in range(3):\n"
-            "    p = libc.malloc(256 << 20)\n"
-            "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-            "    ctypes.memset(p, 1, 256 << 20)\n"
-            "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
-            "    libc.free(p)\n"
-            "print(*faults)\n")
-
-    def faults(malloc_env: dict[str, str]) -> list[int]:
-        return [int(f) for f in run_python(code, malloc_env).split()]
-
-    cfg = parse_args(["--job.config_file", CONFIG])
-    exported = host_env(resolve_hosts({}), 0, cfg, {"PJRT_DEVICE": "CPU"})
-    assert exported["LD_PRELOAD"] == find_tcmalloc()
-    first, *again = faults({k: v for k, v in exported.items() if k != "CPU_NUM_DEVICES"})
-    assert first > 1000 and max(again) < 16, (first, again)
-    glibc = faults({"GLIBC_TUNABLES": exported["GLIBC_TUNABLES"]})
-    assert min(glibc) > 100, glibc
 
 
 def test_check_disjoint():

@@ -17,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, tiny_args
+from helpers import REPO, capture_logs, tiny_args
 
 from torchtitan_xla import metrics
-from torchtitan_xla.config_manager import ConfigError, parse_args
-from torchtitan_xla.logging import logger
+from torchtitan_xla.config import ConfigError, parse_args
 
 SEQ_LEN = 32  # no other in-process test uses it, so the graph compile counts here are our own
 TB_ARGS = ("--training.seq_len", str(SEQ_LEN), "--training.steps", "6", "--metrics.log_freq", "2")
@@ -36,18 +35,6 @@ def _event_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def messages(self, level=logging.INFO):
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
 def _run(dump: Path, *extra: str):
     """train.main in this process: (history, log records, transfers from device, compiles)."""
     import torch_xla.debug.metrics as met
@@ -59,13 +46,9 @@ def _run(dump: Path, *extra: str):
         compiles = met.metric_data("CompileTime")
         return (transfers[0] if transfers else 0), (compiles[0] if compiles else 0)
 
-    handler = _Records()
-    logger.addHandler(handler)
     before = counts()
-    try:
+    with capture_logs() as handler:
         history = train.main(parse_args(tiny_args(dump, *extra)))
-    finally:
-        logger.removeHandler(handler)
     after = counts()
     return history, handler, after[0] - before[0], after[1] - before[1]
 
@@ -270,7 +253,7 @@ _DRIVER = """
 import dataclasses, json, sys
 sys.path.insert(0, {repo!r})
 import train
-from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.config import parse_args
 history = train.main(parse_args(sys.argv[1:]))
 print("HISTORY " + json.dumps([dataclasses.asdict(s) for s in history]))
 """
@@ -358,9 +341,7 @@ def _host_logger(tmp_path, host_rank, *flags):
 
 
 def test_rank_0_only_decides_which_hosts_log(tmp_path, xla_device):
-    handler = _Records()
-    logger.addHandler(handler)
-    try:
+    with capture_logs() as handler:
         quiet = _host_logger(tmp_path / "a", 1)  # rank_0_only (default), host 1
         quiet.log(1, 2.0, 1.0, 1e-3)
         quiet.close()
@@ -370,8 +351,6 @@ def test_rank_0_only_decides_which_hosts_log(tmp_path, xla_device):
         loud = _host_logger(tmp_path / "b", 1, "--metrics.no-rank_0_only")
         loud.log(1, 2.0, 1.0, 1e-3)
         loud.close()
-    finally:
-        logger.removeHandler(handler)
     (rank_dir,) = (tmp_path / "b" / "tb").glob("*/rank_1")
     assert _event_scalars(rank_dir)["loss_metrics/global_avg_loss"] == [(1, 2.0)]
     assert "mfu(%)" not in _event_scalars(rank_dir)  # no peak known: no made-up value

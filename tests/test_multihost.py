@@ -1,7 +1,8 @@
 """Two hosts on loopback, launched the multi-host way (NNODES, NODE_RANK, MASTER_ADDR,
 MASTER_PORT) through run_train.sh. On the CPU backend the processes cannot share one XLA mesh;
 what is real and checked here: the launcher's host ids, the gloo group, the data shards, and
-checkpoint coordination (a step saved by both hosts, then resumed by both)."""
+checkpoint coordination (a step saved by both hosts, then resumed by both; a preemption signal
+that reaches one host only)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +19,8 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from helpers import REPO, tiny_args
 
-from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.checkpoint import committed_steps
+from torchtitan_xla.config import parse_args
 from torchtitan_xla.datasets import build_data_loader, build_tokenizer
 
 
@@ -27,8 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two(args: list[str], port: int, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """The same run_train.sh command as host 0 and host 1, at the same time."""
+def start_two(args: list[str], port: int) -> list[subprocess.Popen]:
+    """The same run_train.sh command as host 0 and host 1, at the same time (run_train.sh execs
+    Python: each Popen's pid is that host's training process)."""
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -37,11 +41,19 @@ def launch_two(args: list[str], port: int, timeout: int = 600) -> list[subproces
                 "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([str(REPO / "run_train.sh"), *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: int = 600) -> list[subprocess.CompletedProcess]:
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
         results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return results
+
+
+def launch_two(args: list[str], port: int, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    return finish(start_two(args, port), timeout)
 
 
 def test_two_hosts_agree_on_ids_and_read_disjoint_shards(tmp_path):
@@ -102,3 +114,36 @@ def test_two_hosts_train_checkpoint_and_resume(tmp_path):
         assert f"Resumed from {step} (step 2)" in r.stderr, r.stderr[-2000:]
     assert "step:     3" in second[0].stderr and "step:     1 " not in second[0].stderr
     assert (tmp_path / "checkpoint" / "step-3" / "COMMITTED").is_file()
+
+
+def test_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
+    """Preemption reaches the hosts at different times: here only host 1 gets SIGTERM. Both must
+    save the same step (the hosts agree on stopping before deciding to save), exit 0, and resume
+    from that step."""
+    args = tiny_args(tmp_path, "--training.steps", "400", "--checkpoint.enable",
+                     "--checkpoint.interval", "1000")
+    host0, host1 = start_two(args, free_port())
+    log0 = []
+    for line in host0.stderr:  # host 0 logs the steps (rank_0_only)
+        log0.append(line)
+        if re.search(r"step:\s+3 ", line):
+            host1.send_signal(signal.SIGTERM)
+            break
+    rest0, rest1 = finish([host0, host1])
+    err0, err1 = "".join(log0) + rest0.stderr, rest1.stderr
+    assert (host0.returncode, host1.returncode) == (0, 0), (err0[-2000:], err1[-2000:])
+    assert "SIGTERM received" in err1 and "SIGTERM received" not in err0
+    stops = [re.findall(r"Preempted: stopped after step (\d+)", err) for err in (err0, err1)]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+    stopped = int(stops[0][0])
+    assert 3 <= stopped < 400
+    # One checkpoint, of that step, written by both hosts.
+    assert committed_steps(tmp_path / "checkpoint") == [stopped]
+    step = tmp_path / "checkpoint" / f"step-{stopped}"
+    assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # The same command (for two more steps) resumes both hosts from it.
+    again = launch_two([*args, "--training.steps", str(stopped + 2)], free_port())
+    for r in again:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"Resumed from {step} (step {stopped})" in r.stderr
+    assert f"step: {stopped + 1:>5}" in again[0].stderr and "step:     1 " not in again[0].stderr

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from torchtitan_xla.config_manager import parse_args
+from torchtitan_xla.config import parse_args
 from torchtitan_xla.optimizer import lr_factor
 
 

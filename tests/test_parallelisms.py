@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import REPO, tiny_args, train_many
 
-from torchtitan_xla.config_manager import ConfigError, parse_args
+from torchtitan_xla.config import ConfigError, parse_args
 from torchtitan_xla.parallelisms import ParallelDims
 from torchtitan_xla.parallelisms.parallelize_llama import fsdp_spec, tp_spec
 
@@ -294,21 +294,16 @@ def test_tpu_mesh_uses_hybrid_mesh(monkeypatch):
 
 
 def test_pallas_attention_swaps_modules_only_on_tpu():
-    from torchtitan_xla.logging import logger
+    from helpers import capture_logs
+
     from torchtitan_xla.models.llama import ModelArgs, Transformer
-    from torchtitan_xla.parallelisms.parallelize_llama import PallasAttention, apply_attention_kernel
+    from torchtitan_xla.models.llama.attention_kernels import PallasAttention, apply_attention_kernel
 
     with torch.device("meta"):
         model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=64, multiple_of=32))
-    records = []
-    handler = __import__("logging").Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
+    with capture_logs() as log:
         apply_attention_kernel(model, "splash", mesh=None, device_type="CPU")
-    finally:
-        logger.removeHandler(handler)
-    assert [r.getMessage() for r in records] == [
+    assert [r.getMessage() for r in log.records] == [
         "[model] attention = 'splash': torch_xla's Pallas kernels run only on TPU; this CPU run uses sdpa"]
     assert not any(isinstance(m, PallasAttention) for m in model.modules())
     apply_attention_kernel(model, "flash", mesh="mesh", device_type="TPU")
@@ -323,7 +318,7 @@ def test_scan_refuses_torchax_files_overwritten_by_torch_xla(monkeypatch):
     import importlib.metadata
     import types
 
-    from torchtitan_xla.parallelisms.parallelize_llama import check_torchax
+    from torchtitan_xla.runtime.kernels import check_torchax
 
     installed = importlib.metadata.version("torchax")
     check_torchax()  # the environment the suite runs in has the right files

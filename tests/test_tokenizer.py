@@ -5,7 +5,7 @@ import base64
 
 import pytest
 
-from torchtitan_xla.config_manager import ConfigError
+from torchtitan_xla.config import ConfigError
 from torchtitan_xla.datasets import python_docs
 from torchtitan_xla.datasets.tokenizer import build_tokenizer
 from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer, llama3_special_tokens
@@ -177,3 +177,52 @@ def test_the_real_llama3_file_when_llama_models_is_installed():
     assert ours.encode("Hello world!", bos=True, eos=False) == [128000, 9906, 1917, 0]
     for text in (SAMPLE, python_docs.documents()[3]):
         assert ours.encode(text, bos=True, eos=True) == ref.encode(text, bos=True, eos=True)
+
+
+# ---- HuggingFace export: what `AutoTokenizer` loads from an exported folder ----------------------
+
+# Special-token text inside a document is text for us but the control token for HF Llama 3
+# tokenizers (Meta's included): the sample without it.
+TEXTS = [SAMPLE.replace(" <|end_of_text|>", ""), "Hello world!", "", *python_docs.documents()[40:43]]
+
+
+def _assert_hf_round_trip(ours, out_dir, texts=TEXTS):
+    """transformers' AutoTokenizer on `out_dir` gives our ids (with BOS, as a HF Llama tokenizer
+    adds it) and decodes them back to the text."""
+    transformers = pytest.importorskip("transformers")
+
+    ours.save_pretrained(out_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)
+    for text in texts:
+        ids = hf(text)["input_ids"]
+        assert ids == ours.encode(text, bos=True, eos=False), text[:40]
+        assert hf.decode(ids, skip_special_tokens=True) == text
+    return hf
+
+
+def test_tiktoken_export_loads_in_auto_tokenizer(tiktok, tmp_path):
+    hf = _assert_hf_round_trip(tiktok, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert len(hf) == tiktok.n_words
+    assert hf.convert_tokens_to_ids(["<|eot_id|>", "<|finetune_right_pad_id|>"]) == [tiktok.eot_id, tiktok.pad_id]
+
+
+def test_sentencepiece_export_loads_in_auto_tokenizer(tmp_path):
+    import sentencepiece as spm
+
+    prefix = tmp_path / "sp"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(python_docs.documents()[:30]), model_prefix=str(prefix),
+        vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        num_threads=1, minloglevel=2, normalization_rule_name="identity", remove_extra_whitespaces=False)
+    ours = build_tokenizer(str(prefix) + ".model")
+    # Llama 2 style text: sentencepiece's own leading-space convention is what HF's reproduces.
+    hf = _assert_hf_round_trip(ours, tmp_path / "hf", ["Hello world!", *python_docs.documents()[40:43]])
+    assert type(hf).__name__ == "LlamaTokenizer"
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (prefix.with_suffix(".model")).read_bytes()
+
+
+def test_the_real_llama3_file_exports_to_auto_tokenizer(tmp_path):
+    pytest.importorskip("llama_models.llama3.tokenizer", exc_type=ImportError)
+    _assert_hf_round_trip(build_tokenizer("llama3"), tmp_path / "hf")

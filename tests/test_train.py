@@ -4,10 +4,9 @@ reproducible, and a recompile after warm-up is caught."""
 import logging
 
 import pytest
-from helpers import REPO, run_train, tiny_args, train_losses
+from helpers import REPO, capture_logs, run_train, tiny_args, train_losses
 
-from torchtitan_xla.config_manager import parse_args
-from torchtitan_xla.logging import logger
+from torchtitan_xla.config import parse_args
 
 # The debug model cut to 2 blocks: the same code paths, compiles 4x faster.
 TWO_BLOCKS = {"n_layers": 2}
@@ -97,22 +96,16 @@ def test_recompile_after_warmup_stops_the_run(tmp_path, monkeypatch, xla_device)
 
 def test_recompile_after_warmup_can_be_a_warning(tmp_path, monkeypatch, xla_device):
     _shorter_batches_from_step_4(monkeypatch)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
+    with capture_logs() as log:
         losses = _run_in_process(tmp_path, "--training.seq_len", "40", "--debug.on_recompile", "warn")
-    finally:
-        logger.removeHandler(handler)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    warnings = log.messages(logging.WARNING)
     assert any(w.startswith("step 4: XLA compiled a new graph after warm-up") for w in warnings)
 
 
 def test_no_compile_after_warmup_through_warmup_and_decay(tmp_path, xla_device):
     """lr changes every step (warmup, then cosine decay to the end): never a new graph."""
-    from torchtitan_xla.utils import compile_stats
+    from torchtitan_xla.runtime import compile_stats
 
     before, _ = compile_stats()
     losses = _run_in_process(tmp_path, "--training.seq_len", "56", "--lr_scheduler.decay_type",
@@ -134,49 +127,25 @@ def test_run_train_sh_resolves_bare_config_names_and_device_count(tmp_path):
     assert str(REPO)  # the script found train.py from any working directory
 
 
-_REPLAY_PROBE = """
-import sys; sys.path.insert(0, {repo!r})
-import train, torch, torch_xla
-from torchtitan_xla.replay import ReplayedStep
-device = torch_xla.device()
-print(torch._is_functional_tensor(torch.ones(1, device=device)))
-torch.manual_seed(0)
-w = torch.randn(4, 4).to(device)
-traces = []
-def step(x):
-    traces.append(1)
-    w.mul_(0.5).add_(x)
-    return w.sum()
-replayed = ReplayedStep(step, [w])
-print([replayed(torch.full((4, 4), float(i)).to(device)).item() for i in range(4)], len(traces))
-"""
-
-
-@pytest.mark.parametrize("setting, functional, traces", [(None, "False", "2"), ("0", "True", "4")])
-def test_train_py_turns_functionalization_off_unless_the_environment_says(setting, functional,
-                                                                         traces):
-    """train.py disables torch_xla's functionalization (the replayed step needs it off; it also
-    multiplies the cost of tracing: docs/performance.md) before any XLA tensor exists;
-    XLA_DISABLE_FUNCTIONALIZATION=0 in the environment keeps it on, and then the step is traced
-    every time, with the same results."""
-    import ast
-    import subprocess
-    import sys
-
-    import torch
-    from helpers import _env
-
-    p = subprocess.run([sys.executable, "-c", _REPLAY_PROBE.format(repo=str(REPO))],
-                       capture_output=True, text=True,
-                       env=_env(1, {"XLA_DISABLE_FUNCTIONALIZATION": setting}), timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    is_functional, results = p.stdout.splitlines()
-    assert is_functional == functional
-    values, count = results.rsplit(" ", 1)
-    assert count == traces  # the step's Python ran twice (replayed after), or every time
-    torch.manual_seed(0)
-    w, expected = torch.randn(4, 4), []
-    for i in range(4):  # the same updates on the host, in float32
-        w = w * 0.5 + i
-        expected.append(w.sum().item())
-    assert ast.literal_eval(values) == pytest.approx(expected, rel=1e-6)
+@pytest.mark.parametrize("key", ["dump_folder", "checkpoint_folder"])
+def test_an_unwritable_output_folder_stops_the_run_before_step_1(tmp_path, key):
+    """A folder the run cannot write is found at start (one line, exit 2), not at the first
+    checkpoint after hours of training. (A path under a regular file: as root, permissions would
+    not stop the write.)"""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    bad = blocker / "out"
+    if key == "dump_folder":
+        extra, message = ["--job.dump_folder", str(bad)], f"[job] dump_folder: cannot write to {bad}"
+    else:
+        extra = ["--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.enable",
+                 "--checkpoint.folder", str(bad)]
+        message = f"[checkpoint] folder: cannot write to {bad}"
+    run = run_train([*tiny_args(tmp_path / "dump"), *extra])
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert [ln for ln in run.stderr.splitlines() if ln.startswith("error:")] == [
+        f"error: {message} (Not a directory: {blocker})"]
+    assert "Traceback" not in run.stderr and "step:" not in run.stderr
+    assert "devices" not in run.stderr  # XLA never started
+    assert blocker.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from torchtitan_xla.config_manager import ConfigError
+from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan_xla.config_manager import Float8
+    from torchtitan_xla.config.job_config import Float8
 
 E4M3 = torch.float8_e4m3fn  # forward operands: 3 mantissa bits, max 448
 E5M2 = torch.float8_e5m2  # output gradient: 2 mantissa bits, max 57344, a wider range
@@ -81,19 +81,12 @@ def float8_dot(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale:
                        a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
-def _dot_f8_f32(a8, b8, a_dims, b_dims):
-    """One HLO `dot` with float8 operands and a float32 result. (torch.matmul on float8 tensors
-    rounds its result to float8; torch._scaled_mm falls back to the CPU on XLA.)"""
-    import torch_xla
-
-    return torch_xla._XLAC._xla_dot_general(a8, b8, ((a_dims, b_dims), ()),
-                                            preferred_element_type=torch.float32)
-
-
 @float8_dot.register_kernel("xla")
 def _float8_dot_xla(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype):
-    return _float8_dot(_dot_f8_f32, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype,
-                       out_dtype)
+    """On XLA: one HLO `dot` with float8 operands and a float32 result."""
+    from torchtitan_xla.runtime.kernels import dot_f32
+
+    return _float8_dot(dot_f32, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
 @float8_dot.register_fake

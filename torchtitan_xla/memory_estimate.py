@@ -15,7 +15,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from torchtitan_xla.config_manager import ConfigError, JobConfig, parse_args
+from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.errors import run_main
 
 # float32 master weights and gradients; Adam keeps exp_avg and exp_avg_sq in float32.
 BYTES_PARAM, BYTES_GRAD, BYTES_OPTIM = 4, 4, 8
@@ -49,7 +50,7 @@ def shard_shape(shape: tuple[int, ...], spec: tuple, axis_sizes: dict[str, int])
 def estimate(job_config: JobConfig, num_devices: int, vocab_size: int | None = None) -> Estimate:
     import torch
 
-    from torchtitan_xla.models import get_model_args, model_name_to_cls
+    from torchtitan_xla.models import get_model_args, get_model_class
     from torchtitan_xla.parallelisms import MESH_AXES, ParallelDims
     from torchtitan_xla.parallelisms.parallelize_llama import param_specs
 
@@ -59,7 +60,7 @@ def estimate(job_config: JobConfig, num_devices: int, vocab_size: int | None = N
     dims = ParallelDims.from_config(job_config.parallelism, num_devices)
     dims.check_model(args.n_heads, args.kv_heads, args.dim, args.ffn_hidden_dim)
     with torch.device("meta"):
-        model = model_name_to_cls[name](args)
+        model = get_model_class(name)(args)
     sizes = dict(zip(MESH_AXES, dims.mesh_shape))
     specs = param_specs(model, dims)
     total, largest = 0, ("", (), ())
@@ -76,12 +77,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--devices", type=int, required=True, help="number of devices (chips) in the mesh")
     ap.add_argument("--vocab-size", type=int, help="default: the real Llama 2 / 3 tokenizer's")
     opts, rest = ap.parse_known_args(argv)
-    try:
-        cfg = parse_args(rest)
-        est = estimate(cfg, opts.devices, opts.vocab_size)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse_args(rest)
+    est = estimate(cfg, opts.devices, opts.vocab_size)
     mesh = ", ".join(f"{k}={v}" for k, v in est.mesh.items())
     print(f"{cfg.model.name} {cfg.model.flavor}: {est.num_params / 1e9:.2f}B parameters on "
           f"{opts.devices} devices ({mesh})")
@@ -93,4 +90,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_main(lambda: main(sys.argv[1:])))

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchtitan_xla import runtime
+from torchtitan_xla.errors import first_line
 from torchtitan_xla.logging import logger
-from torchtitan_xla.models.llama.model import ModelArgs
-from torchtitan_xla.utils import compile_stats, host_memory_gib
+from torchtitan_xla.models.llama.args import ModelArgs
+from torchtitan_xla.utils import host_memory_gib
 
 if TYPE_CHECKING:
-    from torchtitan_xla.config_manager import JobConfig
+    from torchtitan_xla.config import JobConfig
 
 
 def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: int) -> int:
@@ -77,26 +79,11 @@ def tpu_generation(kind: str) -> str | None:
 
 def detect_device_kind() -> str:
     """What the device is, as precisely as the runtime tells: "CPU", or for TPUs the accelerator
-    type ("v5p-128"); "TPU" if even that is unknown.
-
-    Under SPMD torch_xla 2.9 answers device-kind questions (`xm.xla_device_kind()`) about the
-    virtual SPMD device and fails, so the TPU generation comes from the accelerator type the TPU VM
-    metadata (or GKE's TPU_ACCELERATOR_TYPE) declares. Not verified on TPU.
-    """
-    import torch_xla.runtime as xr
-
-    device_type = xr.device_type()
+    type ("v5p-128"); "TPU" if even that is unknown (MFU is then n/a). Not verified on TPU."""
+    device_type = runtime.device_type()
     if device_type != "TPU":
         return device_type
-    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")
-    if not accelerator:
-        try:
-            from torch_xla._internal import tpu
-
-            accelerator = tpu.get_tpu_type()
-        except Exception as e:  # no metadata server: MFU falls back to n/a below
-            logger.debug(f"TPU accelerator type unknown: {e}")
-    return accelerator or "TPU"
+    return runtime.tpu_accelerator_type() or "TPU"
 
 
 def resolve_peak_flops(device_kind: str, override: float | None, *,
@@ -160,16 +147,13 @@ class MemoryMonitor:
     def read(self) -> Memory:
         if self._device_ok:
             try:
-                import torch_xla.core.xla_model as xm
-
-                info = xm.get_memory_info(self.device)
+                info = runtime.memory_info(self.device)
                 return Memory(info["bytes_used"] / 2**30, info["peak_bytes_used"] / 2**30,
                               info["bytes_limit"] / 2**30, "HBM")
             except Exception as e:
                 self._device_ok = False
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 logger.info(f"memory: showing this process's host RSS; device memory statistics "
-                            f"are unavailable here ({reason})")
+                            f"are unavailable here ({first_line(e, typed=False)})")
         current, peak = host_memory_gib()
         return Memory(current, peak, None, "host RSS")
 
@@ -232,7 +216,7 @@ class MetricLogger:
         self.colors = _Colors(color)
         self.writer = None
         if tb_dir is not None and enabled:
-            from torch.utils.tensorboard import SummaryWriter  # imported only when used (~2 s)
+            from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
 
             tb_dir.mkdir(parents=True, exist_ok=True)
             self.writer = SummaryWriter(log_dir=str(tb_dir))
@@ -272,7 +256,7 @@ class MetricLogger:
 
     def _print(self, s: StepStats) -> None:
         c = self.colors
-        compiles, compile_s = compile_stats()
+        compiles, compile_s = runtime.compile_stats()
         loss = f"loss: {s.loss:8.4f}"
         if self.dp_degree > 1:
             loss += f" (max {s.max_loss:.4f})"
@@ -286,7 +270,7 @@ class MetricLogger:
             f"({compile_s:.1f}s)  eta: {_eta(s.eta_seconds)}{c.reset}")
 
     def _write(self, s: StepStats) -> None:
-        compiles, compile_s = compile_stats()
+        compiles, compile_s = runtime.compile_stats()
         scalars = {
             "loss_metrics/global_avg_loss": s.loss,
             "loss_metrics/global_max_loss": s.max_loss,

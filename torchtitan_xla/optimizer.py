@@ -8,14 +8,15 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan_xla.config_manager import JobConfig
+from torchtitan_xla import runtime
+from torchtitan_xla.config import JobConfig
 from torchtitan_xla.logging import logger
 
 
 def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.optim.Optimizer:
     """torch's Adam(W), `capturable`: its step count and bias corrections live on the device, so the
     step's graph reads them as data instead of baking this step's Python numbers into it (which
-    a replayed graph would keep; see replay.py). The learning rate comes in the same way, as a
+    a replayed graph would keep; see runtime/step.py). The learning rate comes in the same way, as a
     device scalar given to `step_with_lr`."""
     cfg = job_config.optimizer
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
@@ -33,8 +34,6 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     Why: with the state present from the start, step 0 traces the same graph as every later
     step (one compile instead of two), and a checkpoint can be loaded into it in place."""
-    import torch_xla
-
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
@@ -43,9 +42,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             for name in ("exp_avg", "exp_avg_sq"):
                 t = torch.zeros_like(p, memory_format=torch.preserve_format)
-                sharding = torch_xla._XLAC._get_xla_op_sharding(p)
-                if sharding is not None:
-                    torch_xla._XLAC._xla_mark_sharding(t, sharding)
+                runtime.copy_sharding(p, t)
                 state[name] = t
 
 
@@ -74,9 +71,7 @@ def lr_factor(step: int, *, warmup_steps: int, decay_start: int, decay_steps: in
     """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, a stable
     phase, then decay towards `min_lr_factor`.
 
-    It is never exactly 0 (a step with lr 0 is wasted). It used to matter for compiling too:
-    torch_xla bakes a Python 0 or 1 into the graph as a constant, so an lr of exactly 0 recompiled
-    (measured); train.py now hands the lr to the step as a device tensor, which never does."""
+    It is never exactly 0: a step with lr 0 is wasted."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if step < decay_start or decay_steps == 0:

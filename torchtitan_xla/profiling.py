@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchtitan_xla import runtime
 from torchtitan_xla.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan_xla.config_manager import JobConfig
+    from torchtitan_xla.config import JobConfig
 
 
 class Profiler:
@@ -43,19 +44,13 @@ class Profiler:
             self._stop()
 
     def _start(self, step: int) -> None:
-        import torch_xla.debug.profiler as xp
-
         self._window_end = step + self.active - 1
-        xp.start_trace(str(self.trace_root / f"iteration_{self._window_end}"))
+        runtime.start_trace(str(self.trace_root / f"iteration_{self._window_end}"))
 
     def _stop(self) -> None:
-        import torch_xla.core.xla_model as xm
-        import torch_xla.debug.profiler as xp
-
-        # Steps run asynchronously: wait until the window's last step has executed on the device,
-        # or the trace would end before it does. (This wait happens only when a trace ends.)
-        xm.wait_device_ops()
-        xp.stop_trace()
+        # Steps run asynchronously: the trace ends once the window's last step has run on the
+        # device. (This wait happens only when a trace ends.)
+        runtime.stop_trace()
         where = self.trace_root / f"iteration_{self._window_end}"
         first = self._window_end - self.active + 1
         logger.info(f"Profiler: steps {first}-{self._window_end} traced to {where}")
@@ -63,10 +58,8 @@ class Profiler:
 
 
 def write_xla_metrics_report(path: Path) -> None:
-    import torch_xla.debug.metrics as met
-
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(met.metrics_report())
+    path.write_text(runtime.metrics_report())
     logger.info(f"torch_xla metrics report written to {path}")
 
 

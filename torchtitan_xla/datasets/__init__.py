@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchtitan_xla.config_manager import JobConfig
+from torchtitan_xla.config import JobConfig
 from torchtitan_xla.datasets.loader import DataLoader
 from torchtitan_xla.datasets.tokenizer import Tokenizer, build_tokenizer, check_vocab_size
 
@@ -21,11 +21,8 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     background thread; without, they stay on the host (tests, benchmarks)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from torchtitan_xla.datasets.text_datasets import (
-        PackedTextDataset,
-        SyntheticDataset,
-        load_documents,
-    )
+    from torchtitan_xla.datasets.packing import PackedTextDataset, SyntheticDataset
+    from torchtitan_xla.datasets.sources import load_documents
 
     t = job_config.training
     seed = job_config.debug.seed if job_config.debug.seed is not None else DEFAULT_SEED

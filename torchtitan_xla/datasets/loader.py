@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Any
 
-from torchtitan_xla.config_manager import ConfigError
+from torchtitan_xla.errors import ConfigError
 
 _END = object()
 
@@ -89,10 +89,9 @@ class DataLoader:
                     return
                 state = self.host_loader.state_dict()
                 if self._device is not None:
-                    import torch_xla.core.xla_model as xm
+                    from torchtitan_xla.runtime import to_device
 
-                    batch = tuple(xm.send_cpu_data_to_device(
-                        list(batch), self._device, self._input_sharding))
+                    batch = tuple(to_device(list(batch), self._device, self._input_sharding))
                 self._put((batch, state))
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(_Failure(e))

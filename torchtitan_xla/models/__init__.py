@@ -1,10 +1,9 @@
-"""Model registry: `model.name` -> model class and flavors."""
+"""Model registry: `model.name` -> flavors (torch-free) and model class (imports torch)."""
 
 import dataclasses
 
-from torchtitan_xla.models.llama import ModelArgs, Transformer, llama2_configs, llama3_configs
+from torchtitan_xla.models.llama.args import ModelArgs, llama2_configs, llama3_configs
 
-model_name_to_cls = {"llama2": Transformer, "llama3": Transformer}
 models_config = {"llama2": llama2_configs, "llama3": llama3_configs}
 
 
@@ -19,3 +18,10 @@ def all_flavors() -> dict[str, list[str]]:
 def get_model_args(name: str, flavor: str, **overrides) -> ModelArgs:
     """A fresh copy of a flavor's args (the registry itself is never mutated)."""
     return dataclasses.replace(models_config[name][flavor], **overrides)
+
+
+def get_model_class(name: str) -> type:
+    """The nn.Module class of `model.name`; every family here is the one Llama Transformer."""
+    from torchtitan_xla.models.llama.model import Transformer
+
+    return {"llama2": Transformer, "llama3": Transformer}[name]

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from torchtitan_xla.config_manager import ConfigError, Parallelism
+from torchtitan_xla.config.job_config import Parallelism
+from torchtitan_xla.errors import ConfigError
 
 MESH_AXES = ("dp_replicate", "fsdp", "tp")
 # The batch is split over every data-parallel axis.
@@ -94,16 +93,10 @@ class ParallelDims:
         """The device mesh. On TPU, `HybridMesh` orders devices by the physical (ICI) topology and,
         with several slices, puts the slices on the outer part of `dp_replicate`. Elsewhere an
         ordinary mesh of the same logical shape, slices being consecutive blocks of devices."""
-        import torch_xla.distributed.spmd as xs
+        from torchtitan_xla import runtime
 
-        if device_type == "TPU":
-            import torch_xla.runtime as xr
-
-            slices = {a.get("slice_index", 0) for a in xr.global_runtime_device_attributes()}
-            if len(slices) != self.num_slices:
-                raise ConfigError(f"[parallelism] num_slices is {self.num_slices}, but the TPU "
-                                  f"runtime sees {len(slices)} slice(s)")
-            dcn = (self.num_slices, 1, 1)
-            ici = (self.dp_replicate // self.num_slices, self.dp_shard, self.tp)
-            return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=MESH_AXES)
-        return xs.Mesh(np.arange(self.world_size), self.mesh_shape, MESH_AXES)
+        if device_type == "TPU" and runtime.slice_count() != self.num_slices:
+            raise ConfigError(f"[parallelism] num_slices is {self.num_slices}, but the TPU "
+                              f"runtime sees {runtime.slice_count()} slice(s)")
+        return runtime.build_mesh(self.mesh_shape, MESH_AXES, device_type=device_type,
+                                  num_slices=self.num_slices)

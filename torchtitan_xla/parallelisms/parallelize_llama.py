@@ -1,7 +1,8 @@
 """Parallelism for the Llama model, applied from outside by module name as XLA SPMD shardings.
 
 Each `apply_*` does one thing to the same module; `parallelize_llama` calls them in order:
-tensor parallel -> activation checkpointing -> FSDP -> scan. Shardings are annotations on the
+tensor parallel -> activation checkpointing -> FSDP -> scan. (The attention kernel is chosen
+before, beside the model: models/llama/attention_kernels.py.) Shardings are annotations on the
 (still lazy) parameters and on activations at module boundaries; XLA partitions the whole step
 from them and inserts the collectives. Nothing here changes a parameter name.
 """
@@ -10,18 +11,18 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import types
 
 import torch
 from torch import nn
 
-from torchtitan_xla.config_manager import ActivationCheckpoint, ConfigError, JobConfig
+from torchtitan_xla import runtime
+from torchtitan_xla.config import JobConfig
+from torchtitan_xla.config.job_config import ActivationCheckpoint
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
-from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
-
-Spec = tuple  # a partition spec: one mesh-axis name (or a tuple of names, or None) per dimension
+from torchtitan_xla.runtime import kernels
+from torchtitan_xla.runtime.sharding import Spec
 
 # Megatron layout by parameter name. Column-parallel layers split their output features over `tp`,
 # row-parallel layers their input features, so each attention / MLP block needs one reduction.
@@ -76,23 +77,10 @@ def partition_spec(param: torch.Tensor) -> Spec:
 
 
 def shard_param(param: torch.Tensor, mesh, spec: Spec) -> None:
-    """Annotate `param` with `spec` and remember it, so later transforms can extend it."""
-    import torch_xla.distributed.spmd as xs
-
-    if any(axis is not None for axis in partition_spec(param)):
-        # An earlier transform's annotation (FSDP extends TP's): torch_xla refuses to overwrite
-        # one without functionalization, which train.py turns off.
-        xs.clear_sharding(param)
-    if any(axis is not None for axis in spec):
-        xs.mark_sharding(param, mesh, spec)
+    """Annotate `param` with `spec` (replacing an earlier transform's: FSDP extends TP's) and
+    remember it, so later transforms can extend it."""
+    runtime.mark_sharding(param, mesh, spec)
     param._partition_spec = spec
-
-
-def _constrain(mesh, spec: Spec):
-    """A sharding constraint on an activation, and on its gradient in the backward pass."""
-    import torch_xla.distributed.spmd as xs
-
-    return lambda t: xs.mark_sharding_with_gradients(t, mesh, spec)
 
 
 def apply_tp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
@@ -103,9 +91,9 @@ def apply_tp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
     reductions into reduce-scatters); attention runs on head shards; logits stay vocab-sharded."""
     for name, param in model.named_parameters():
         shard_param(param, mesh, tp_spec(name, param.dim()))
-    seq_sharded = _constrain(mesh, (BATCH_AXES, "tp", None))  # [batch, seq, dim]
-    heads_sharded = _constrain(mesh, (BATCH_AXES, "tp", None, None))  # [batch, heads, seq, head_dim]
-    vocab_sharded = _constrain(mesh, (BATCH_AXES, None, "tp"))  # [batch, seq, vocab]
+    seq_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None))  # [batch, seq, dim]
+    heads_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None, None))  # [batch, heads, seq, head_dim]
+    vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, None, "tp"))  # [batch, seq, vocab]
     for block in model.layers.values():
         block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
         block.register_forward_hook(lambda m, args, out: seq_sharded(out))
@@ -132,65 +120,13 @@ def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
                     f"{parallel_dims.dp_shard} and stay replicated: {', '.join(unsharded[:4])}...")
 
 
-# ---- attention kernels -------------------------------------------------------------------------
-
-
-class PallasAttention(nn.Module):
-    """torch_xla's Pallas flash or splash attention (TPU only), sharded like the heads: batch over
-    the data-parallel axes, heads over `tp`. Replaces a block's `attention.sdpa` module."""
-
-    def __init__(self, kind: str, mesh, spec: Spec):
-        super().__init__()
-        self.kind, self.mesh, self.spec = kind, mesh, spec
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        scale = q.shape[-1] ** -0.5
-        if self.kind == "flash":
-            from torch_xla.experimental.custom_kernel import flash_attention
-
-            return flash_attention(q, k, v, causal=True, sm_scale=scale, partition_spec=self.spec,
-                                   mesh=self.mesh)
-        from torch_xla.experimental.splash_attention import SplashAttentionConfig, splash_attention
-
-        block = min(2048, q.shape[-2])  # the kernel's default blocks, capped at the sequence
-        blocks = {f: block for f in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
-                                     "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq",
-                                     "sa_block_kv_dq")}
-        config = SplashAttentionConfig(mesh=str(self.mesh), qkv_partition_spec=self.spec,
-                                       segment_ids_partition_spec=(self.spec[0], None), **blocks)
-        # The splash kernel does not scale the scores itself.
-        return splash_attention(q * scale, k, v, config.to_json(), causal=True)
-
-
-def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:
-    """Swap every block's attention module (`model.attention`): blockwise anywhere, the Pallas
-    flash / splash kernels on TPU."""
-    if kind == "sdpa":
-        return
-    if kind == "blockwise":
-        for block in model.layers.values():
-            block.attention.sdpa = BlockwiseCausalAttention()
-        logger.info("Attention: blockwise causal (4 query blocks)")
-        return
-    if device_type != "TPU":
-        logger.warning(f"[model] attention = {kind!r}: torch_xla's Pallas kernels run only on TPU; "
-                       f"this {device_type} run uses sdpa")
-        return
-    spec = (BATCH_AXES, "tp", None, None)  # [batch, heads, seq, head_dim]
-    for block in model.layers.values():
-        block.attention.sdpa = PallasAttention(kind, mesh, spec)
-    logger.info(f"Attention: Pallas {kind} attention kernel (not verified on TPU by this project)")
-
-
 # ---- activation checkpointing ----------------------------------------------------------------
 
 
 def _checkpoint_block(block: nn.Module) -> None:
     """Full recompute: keep only the block's input, recompute its forward in the backward pass."""
-    from torch_xla.utils.checkpoint import checkpoint
-
     original = block.forward  # a bound method: torch_xla's checkpoint also fences its weights
-    block.forward = lambda *args: checkpoint(original, *args)
+    block.forward = lambda *args: kernels.checkpoint(original, *args)
 
 
 # Outputs kept by op-level selective checkpointing: the weight matmuls (Linear layers lower to
@@ -209,14 +145,9 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs):
 
 def _selective_op_block(block: nn.Module) -> None:
     """Op-level selective checkpointing with torch's selective-checkpoint policy API."""
-    import torch_xla.core.xla_model as xm
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    # torch's (non-reentrant) checkpoint looks up `torch.<device type>`, which torch_xla does not
-    # register; its own error message asks for torch._register_device_module. Only RNG state would
-    # be read from it, and we do not preserve RNG state (the model has no dropout).
-    if not hasattr(torch, "xla"):
-        torch._register_device_module("xla", types.ModuleType("torch.xla"))
+    kernels.enable_torch_checkpoint()
     original = block.forward
     context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
 
@@ -230,7 +161,7 @@ def _selective_op_block(block: nn.Module) -> None:
                 # The recomputation, inside the backward pass. Without a barrier XLA would see the
                 # same expressions as in the forward pass and merge them, silently undoing the
                 # checkpointing (torch_xla's own checkpoint fences its inputs the same way).
-                xm.optimization_barrier_([t for t in inner if isinstance(t, torch.Tensor)])
+                kernels.optimization_barrier_([t for t in inner if isinstance(t, torch.Tensor)])
             return original(*inner)
 
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
@@ -274,31 +205,6 @@ class _CarryRope(nn.Module):
         return self.block(h, cos, sin), cos, sin
 
 
-def check_torchax() -> None:
-    """scan_layers reaches JAX through torchax. torch_xla 2.9's wheel ships an older torchax (0.0.6)
-    into the same `torchax/` directory as the torchax wheel; if torch_xla was unpacked last, the
-    installed metadata says one version while the old files run, and the scan crashes the process
-    (SIGSEGV) instead of raising. Refuse up front with the fix."""
-    import importlib.metadata
-
-    try:
-        installed = importlib.metadata.version("torchax")
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError("compile.scan_layers = true needs jax and torchax: pip install "
-                          "'torch_xla[pallas]==2.9.0' torchax==0.0.13") from None
-    try:
-        import torchax
-
-        on_disk = torchax.__version__
-    except ImportError as e:  # torch_xla's old copy imports flax, which is not installed
-        on_disk = f"unimportable ({e})"
-    if on_disk != installed:
-        raise ConfigError(
-            f"compile.scan_layers = true: the torchax files on disk are not the torchax {installed} "
-            f"pip installed (torch_xla's wheel overwrote them; found: {on_disk}); restore them with: "
-            f"pip install --force-reinstall --no-deps torchax=={installed}")
-
-
 def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     """Run the blocks as one XLA while loop over their stacked weights (torch_xla's scan_layers):
     one block is traced and compiled whatever the depth. Activation checkpointing then happens
@@ -306,16 +212,15 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     min-cut rematerialisation partitioner (keeps matmul outputs, recomputes cheap ops). The config
     rejects other modes with scan."""
     from functorch.compile import default_partition, min_cut_rematerialization_partition
-    from torch_xla.experimental.scan_layers import scan_layers
 
-    check_torchax()
+    kernels.check_torchax()
 
     partition_fn = default_partition if cfg.mode == "none" else min_cut_rematerialization_partition
     # Created once: scan caches the traced block by the identity of the first one.
     carriers = [_CarryRope(block) for block in model.layers.values()]
 
     def forward(h, cos, sin):
-        h, _, _ = scan_layers(carriers, (h, cos, sin), partition_fn=partition_fn, is_layer_pure=True)
+        h, _, _ = kernels.scan_layers(carriers, (h, cos, sin), partition_fn)
         return h
 
     model.layers.forward = forward
@@ -323,8 +228,7 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
 
 def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
-                      job_config: JobConfig, device_type: str = "CPU") -> nn.Module:
-    apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
+                      job_config: JobConfig) -> nn.Module:
     if parallel_dims.tp > 1:
         apply_tp(model, mesh, parallel_dims)
     ac = job_config.activation_checkpoint

@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from torchtitan_xla.errors import ConfigError, run_main
+
 DEFAULT_TAGS = ("loss_metrics/global_avg_loss", "throughput(tps)")
 
 
@@ -78,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fig = plot_runs(args.run_dirs, args.out, tuple(args.tags))
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(e)) from None
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -88,4 +89,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

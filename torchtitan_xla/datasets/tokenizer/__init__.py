@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan_xla.config_manager import ConfigError
 from torchtitan_xla.datasets.tokenizer.base import Tokenizer
+from torchtitan_xla.errors import ConfigError
 
 __all__ = ["Tokenizer", "build_tokenizer", "check_vocab_size", "find_llama3_tokenizer"]
 

@@ -17,3 +17,8 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def save_pretrained(self, out_dir) -> None:
+        """Write the tokenizer files `transformers.AutoTokenizer.from_pretrained(out_dir)` loads
+        into a tokenizer that gives the same ids as `encode(text, bos=True, eos=False)`."""

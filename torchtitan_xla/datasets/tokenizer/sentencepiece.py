@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from torchtitan_xla.config_manager import ConfigError
 from torchtitan_xla.datasets.tokenizer.base import Tokenizer
+from torchtitan_xla.errors import ConfigError, first_line
 
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str):
         import sentencepiece as spm
 
+        self.path = path
         try:
             self.sp = spm.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:
             raise ConfigError(
                 f"[model] tokenizer_path: {path} is neither a tiktoken BPE file nor a "
-                f"sentencepiece model ({str(e).splitlines()[0]})") from None
+                f"sentencepiece model ({first_line(e, typed=False)})") from None
         self.n_words = self.sp.vocab_size()
         self.bos_id = self.sp.bos_id()
         self.eos_id = self.sp.eos_id()
@@ -27,3 +28,19 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
+
+    def save_pretrained(self, out_dir) -> None:
+        """The model file as tokenizer.model with a tokenizer_config.json naming transformers'
+        LlamaTokenizer, which reads it itself (as Meta's Llama 2 HF folders ship it)."""
+        import json
+        import shutil
+        from pathlib import Path
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.path, out / "tokenizer.model")
+        piece = self.sp.id_to_piece
+        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+                  "bos_token": piece(self.bos_id), "eos_token": piece(self.eos_id),
+                  "unk_token": piece(self.sp.unk_id()), "legacy": False}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))

@@ -11,8 +11,8 @@ import base64
 import binascii
 from pathlib import Path
 
-from torchtitan_xla.config_manager import ConfigError
 from torchtitan_xla.datasets.tokenizer.base import Tokenizer
+from torchtitan_xla.errors import ConfigError
 
 # Llama 3's pre-tokenisation regex.
 LLAMA3_PATTERN = (
@@ -63,6 +63,7 @@ class TikTokenizer(Tokenizer):
     def __init__(self, path: str):
         import tiktoken
 
+        self.path = path
         ranks = read_ranks(path)
         specials = llama3_special_tokens()
         self.special_tokens = {tok: len(ranks) + i for i, tok in enumerate(specials)}
@@ -87,6 +88,27 @@ class TikTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.model.decode(ids)
+
+    def save_pretrained(self, out_dir) -> None:
+        """tokenizer.json (byte-level BPE with Llama 3's pattern and special tokens, converted by
+        transformers' own TikTokenConverter) and tokenizer_config.json; BOS is added as Llama 3's
+        HF tokenizers add it."""
+        from tokenizers import processors
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        class Converter(TikTokenConverter):
+            # read_ranks, not tiktoken's loader, which caches files by path (see read_ranks).
+            load_tiktoken_bpe = staticmethod(read_ranks)
+
+        backend = Converter(vocab_file=self.path, pattern=LLAMA3_PATTERN,
+                            extra_special_tokens=self.special_tokens).converted()
+        bos = "<|begin_of_text|>"
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos,
+                                     eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>")
+        hf.save_pretrained(str(out_dir))
 
 
 def _split_long_runs(text: str, max_run: int):

@@ -30,7 +30,7 @@ def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:
 class _QueriesTimesKeys(torch.autograd.Function):
     """q @ k^T. Backward: dq = ds @ k written out, because from autograd's ds @ (k^T)^T XLA reads
     the k^T it laid out for the forward, a transposed operand for the contraction over keys
-    (1.5x slower); dk as autograd computes it, (q^T @ ds)^T: a [head_dim, keys] product."""
+    (slower: docs/performance.md); dk as autograd computes it, (q^T @ ds)^T: a [head_dim, keys] product."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ class _QueriesTimesKeys(torch.autograd.Function):
 class _ProbsTimesValues(torch.autograd.Function):
     """probs @ v. Backward: dv as (grad_out^T @ probs)^T, a [head_dim, keys] product transposed
     after, rather than autograd's probs^T @ grad_out, whose [keys, head_dim] output XLA CPU runs
-    2-3x slower. The same sums."""
+    several times slower (docs/performance.md). The same sums."""
 
     @staticmethod
     def forward(ctx, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -13,54 +13,12 @@ HuggingFace exporter permutes wq/wk to HF's rotate-half layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 RoPE frequency scaling (long-context extension)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None: same as n_heads (no grouped-query attention)
-    vocab_size: int = -1  # set from the tokenizer
-    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 2048
-    # Scale the init of each block's output projections by its depth (torchtitan's default).
-    depth_init: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        # Llama's SwiGLU sizing: 2/3 of 4*dim, times an optional multiplier, rounded up.
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+from torchtitan_xla.models.llama.args import ModelArgs
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +81,7 @@ class RMSNorm(nn.Module):
 
 class ScaledDotProductAttention(nn.Module):
     """Causal attention over [batch, heads, seq, head_dim]; a module so a kernel can replace it
-    (blockwise_attention.py, or the Pallas kernels in parallelize_llama.py)."""
+    (attention_kernels.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -222,10 +180,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
         seqlen = tokens.shape[1]
-        # Copies, not views of the buffers: with op-level selective activation checkpointing the
-        # views left the buffer holding a pending view update after the step, and the next sync
-        # failed on a weight buffer the replayed step had donated (torch_xla 2.9, "buffer ... is
-        # deleted" at step 2; the exact path inside torch_xla not traced).
+        # Copies, not views of the buffers: with op-level selective activation checkpointing a
+        # view left the buffer with a pending update after the step, which the replayed step's
+        # donated buffers then broke (torch_xla 2.9, "buffer ... is deleted" at step 2).
         cos, sin = self.rope_cos[:seqlen].clone(), self.rope_sin[:seqlen].clone()
         h = self.layers(self.tok_embeddings(tokens), cos, sin)
         return self.output(self.norm(h))

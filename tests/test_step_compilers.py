@@ -1,7 +1,13 @@
-"""ReplayedStep: the step traced twice, then its compiled graph replayed, must train exactly like
-the plain lazy step it replaces."""
+"""The step compilers ([compile] step): ReplayedStep, traced twice and then its compiled graph
+replayed, must train exactly like the lazy step; the process switch each needs; and both give the
+same losses in train.py, bit for bit, on one device and on fsdp=4 x tp=2."""
+
+import ast
+import subprocess
+import sys
 
 import pytest
+from helpers import REPO, _env, tiny_args, train_run
 
 
 def _build(xla_device):
@@ -51,8 +57,8 @@ def test_replayed_step_trains_bit_exactly_like_the_lazy_step_and_traces_twice(xl
     import torch_xla
 
     from torchtitan_xla.optimizer import optimizer_state_tensors
-    from torchtitan_xla.replay import ReplayedStep
-    from torchtitan_xla.utils import compile_stats
+    from torchtitan_xla.runtime import compile_stats
+    from torchtitan_xla.runtime.step import ReplayedStep
 
     batches = _batches(len(LRS))
     model, opt = _build(xla_device)
@@ -90,7 +96,7 @@ def test_a_new_batch_shape_is_traced_again(xla_device):
     import torch_xla
 
     from torchtitan_xla.optimizer import optimizer_state_tensors
-    from torchtitan_xla.replay import ReplayedStep
+    from torchtitan_xla.runtime.step import ReplayedStep
 
     batches = _batches(3) + _batches(3, rows=5)
     lr = torch.tensor(0.01, device=xla_device)
@@ -114,7 +120,7 @@ def test_a_per_step_python_number_is_an_error_not_a_stale_value(xla_device):
     import torch
 
     from torchtitan_xla.optimizer import optimizer_state_tensors
-    from torchtitan_xla.replay import ReplayedStep
+    from torchtitan_xla.runtime.step import ReplayedStep
 
     model, opt = _build(xla_device)
     calls = []
@@ -143,7 +149,7 @@ def test_a_per_step_python_number_is_an_error_not_a_stale_value(xla_device):
 def test_a_host_sync_inside_the_step_is_an_error(xla_device):
     import torch
 
-    from torchtitan_xla.replay import ReplayedStep
+    from torchtitan_xla.runtime.step import ReplayedStep
 
     w = torch.ones(4, device=xla_device)
 
@@ -154,3 +160,73 @@ def test_a_host_sync_inside_the_step_is_an_error(xla_device):
 
     with pytest.raises(RuntimeError, match="Unexpected execution happens inside the compiled"):
         ReplayedStep(step_fn, [w])(torch.ones(4, device=xla_device))
+
+
+_STEP_PROBE = """
+import sys; sys.path.insert(0, {repo!r})
+from torchtitan_xla import runtime
+runtime.configure({configured!r})
+import torch, torch_xla
+device = torch_xla.device()
+print(torch._is_functional_tensor(torch.ones(1, device=device)))
+torch.manual_seed(0)
+w = torch.randn(4, 4).to(device)
+traces = []
+def step(x):
+    traces.append(1)
+    w.mul_(0.5).add_(x)
+    return w.sum()
+compiled = runtime.build_step({kind!r}, step, [w])
+print([compiled(torch.full((4, 4), float(i)).to(device)).item() for i in range(4)], len(traces))
+"""
+
+
+@pytest.mark.parametrize("configured, kind, functional, traces", [
+    ("replay", "replay", "False", "2"),
+    ("lazy", "lazy", "True", "4"),
+    # A replayed step on functional tensors (made before `configure` could turn it off) falls
+    # back to tracing every step, with the same results.
+    ("lazy", "replay", "True", "4"),
+])
+def test_functionalization_follows_the_step_compiler(configured, kind, functional, traces):
+    """runtime.configure turns torch_xla's functionalization off for `replay` (its replayed graph
+    rebinds tensors that functionalization's wrappers would not see; tracing also costs more with
+    it: docs/performance.md) and leaves it on for `lazy`, whatever the environment said."""
+    import torch
+
+    p = subprocess.run([sys.executable, "-c", _STEP_PROBE.format(repo=str(REPO), configured=configured,
+                                                                 kind=kind)],
+                       capture_output=True, text=True, env=_env(1, {"XLA_DISABLE_FUNCTIONALIZATION": "1"}),
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    is_functional, results = p.stdout.splitlines()
+    assert is_functional == functional
+    values, count = results.rsplit(" ", 1)
+    assert count == traces  # the step's Python ran twice (replayed after), or every time
+    torch.manual_seed(0)
+    w, expected = torch.randn(4, 4), []
+    for i in range(4):  # the same updates on the host, in float32
+        w = w * 0.5 + i
+        expected.append(w.sum().item())
+    assert ast.literal_eval(values) == pytest.approx(expected, rel=1e-6)
+
+
+# 20 steps of the debug model cut to 2 blocks (the same code paths).
+STEPS_20 = ["--training.steps", "20", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5"]
+
+
+@pytest.mark.parametrize("devices, mesh", [
+    (1, ["--training.local_batch_size", "4"]),
+    (8, ["--training.local_batch_size", "1", "--parallelism.tensor_parallel_degree", "2"]),
+], ids=["1-device", "fsdp4-tp2"])
+def test_lazy_and_replay_train_bit_identically(tmp_path, devices, mesh):
+    """The same job with each step compiler: identical losses at every step, to the last bit, and
+    neither compiles after warm-up (the run would stop: debug.on_recompile = "error")."""
+    losses = {}
+    for kind in ("replay", "lazy"):
+        losses[kind], log = train_run(tiny_args(tmp_path / kind, *mesh, *STEPS_20, "--compile.step", kind),
+                                      devices=devices, model_overrides={"n_layers": 2})
+        assert f"seed 42, {kind} step" in log
+        assert "Training completed: 2 XLA compiles in total" in log
+    assert sorted(losses["replay"]) == list(range(1, 21))
+    assert losses["lazy"] == losses["replay"]

@@ -1,30 +1,58 @@
-"""Trace the training step twice, then replay its compiled XLA graph.
+"""The training step as one XLA graph per step, two ways ([compile] step):
 
-Lazy tensors retrace the whole step on the host every step only to arrive at the graph they
-compiled at step 1 (the debug model on this 2-core CPU: ~60 ms of tracing against a ~310 ms graph,
-and the tracing cannot hide behind the graph when both need the same cores). The step's graph does
-not change between steps, so `ReplayedStep` traces it at the first two steps and from then on runs
-the cached executable directly on the new inputs (`_run_cached_graph`, the call torch_xla's dynamo
-bridge makes), without executing any Python of the step.
+- `LazyStep` ("lazy"): torch_xla's own way. The step is traced on the host every step under
+  `torch_xla.compile(full_graph=True)`; XLA finds the graph in its cache and runs it.
+- `ReplayedStep` ("replay", the default): traces the step at its first two steps and from then on
+  runs the cached executable directly on the new inputs (`_run_cached_graph`, the call torch_xla's
+  dynamo bridge makes), without executing any Python of the step. Tracing costs host time every
+  step that, on a small host, cannot hide behind the device (docs/performance.md).
 
-That is only correct if everything that changes between steps is an input of the graph:
+Replay is only correct if everything that changes between steps is an input of the graph:
 - the step's arguments (the batch, the learning rate as a device scalar), and
 - `state`: parameters, buffers and optimizer state. Those the step updates become outputs, and
   after each replay every such tensor is rebound in place to its new value (the old buffer is
-  donated to the graph, so the update needs no second copy, as with a normal lazy step).
+  donated to the graph, so the update needs no second copy, as with a lazy step).
 Every other input the trace finds (Python scalars XLA uploads as data: betas, eps, the clipping
 norm, ...) is frozen at its traced value. A value that changes per step but reaches the graph as a
 Python number would be silently stale, so the second step is traced too and its frozen inputs
 must equal the first's: otherwise it is an error naming the fix. (A tensor the step writes that is
 not in `state` would be stale too, and that no check can see: train.py passes every parameter,
 buffer and optimizer state tensor.)
+
+In both, anything that would execute inside the step (a stray `.item()`) is an error, not a second
+graph; `CompileGuard` turns a compile after warm-up into an error or a warning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
+from torchtitan_xla.logging import logger
+from torchtitan_xla.runtime.device import compile_stats
+
+
+def build_step(kind: str, fn: Callable[..., torch.Tensor], state: Sequence[torch.Tensor], *,
+               name: str = "train_step"):
+    """The step compiler `[compile] step` names, wrapping `fn`; `state` as for ReplayedStep."""
+    if kind == "lazy":
+        return LazyStep(fn, name=name)
+    return ReplayedStep(fn, state, name=name)
+
+
+class LazyStep:
+    """`step(*args)` traces `fn(*args)` and runs it as one XLA graph (torch_xla.compile)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], *, name: str = "train_step"):
+        self.fn, self.name = fn, name
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        import torch_xla
+
+        with torch_xla.compile(full_graph=True, name=self.name):
+            return self.fn(*args)
 
 
 class ReplayedStep:
@@ -38,6 +66,7 @@ class ReplayedStep:
     def __init__(self, fn: Callable[..., torch.Tensor], state: Sequence[torch.Tensor], *,
                  name: str = "train_step"):
         self.fn, self.state, self.name = fn, list(state), name
+        self._lazy = LazyStep(fn, name=name)
         self._signature = None
         self._traces = 0  # of the current signature
         self._graph_hash = None
@@ -48,11 +77,10 @@ class ReplayedStep:
         import torch_xla
 
         if any(torch._is_functional_tensor(t) for t in self.state[:1]):
-            # torch_xla's functionalization on (XLA_DISABLE_FUNCTIONALIZATION=0): its wrappers keep
-            # views of the old values when the value underneath is replaced (measured: the second
-            # trace read the first step's weights), so every step is traced, as a lazy step is.
-            with torch_xla.compile(full_graph=True, name=self.name):
-                return self.fn(*args)
+            # torch_xla's functionalization is on (torch_xla made the state before `configure`
+            # turned it off): its wrappers would keep the old values when the values underneath
+            # are replaced, so every step is traced, as the lazy step does.
+            return self._lazy(*args)
         signature = _signature(args)
         if signature != self._signature:
             self._signature, self._traces = signature, 0
@@ -154,3 +182,37 @@ def _handle(t: torch.Tensor) -> int:
     import torch_xla
 
     return torch_xla._XLAC._get_tensors_handle([t])[0]
+
+
+class CompileGuard:
+    """Any XLA compile after warm-up (the first two steps) is a bug: a graph that changed.
+
+    `check(step)` after each step raises (`on_recompile = "error"`) or warns and moves on
+    ("warn"), naming how to find out why. Compiles that are expected (a checkpoint save's small
+    transfer graphs) happen inside `allowed()`."""
+
+    def __init__(self, first_step: int, on_recompile: str = "error"):
+        self.warmup_end = first_step + 1  # the first step compiles; any compile after the second
+        self.on_recompile = on_recompile
+        self.baseline: int | None = None
+
+    def check(self, step: int) -> None:
+        compiles = compile_stats()[0]
+        if step == self.warmup_end:
+            self.baseline = compiles
+        elif self.baseline is not None and compiles > self.baseline:
+            message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} "
+                       f"compiles, {self.baseline} at step {self.warmup_end}); run with "
+                       f"PT_XLA_DEBUG_LEVEL=1 to see why")
+            if self.on_recompile == "error":
+                raise RuntimeError(message)
+            logger.warning(message)
+            self.baseline = compiles
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            if self.baseline is not None:
+                self.baseline = compile_stats()[0]

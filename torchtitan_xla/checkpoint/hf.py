@@ -1,5 +1,6 @@
-"""HuggingFace interop: export to `model.safetensors` + `config.json` that `transformers`'
-`LlamaForCausalLM.from_pretrained` loads, and import HF Llama weights as initial weights.
+"""HuggingFace interop: export to a folder `transformers` loads whole (`model.safetensors` +
+`config.json` for `LlamaForCausalLM`, and the tokenizer for `AutoTokenizer`), and import HF Llama
+weights as initial weights.
 
 Names and the RoPE q/k layout are converted by models/llama/state_dict_adapter.py; this module does
 the file I/O and moves whole tensors between host memory and the (sharded) device parameters, one
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_xla.config_manager import ConfigError
-from torchtitan_xla.models.llama.model import ModelArgs, RopeScaling
+from torchtitan_xla import runtime
+from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -97,19 +99,20 @@ def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) 
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *,
-              dtype: torch.dtype = torch.float32, bos_id: int | None = None,
-              eos_id: int | None = None) -> None:
+              dtype: torch.dtype = torch.float32, tokenizer=None) -> None:
+    """Weights and config.json; with `tokenizer`, also its HF files and its BOS/EOS ids."""
     tensors = {k: v.to(dtype) for k, v in to_hf(state_dict, args).items()}
-    config = hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=str(dtype).removeprefix("torch."))
+    bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
+    config = hf_config(args, bos_id=bos, eos_id=eos, dtype=str(dtype).removeprefix("torch."))
     write_hf(tensors, config, out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
 
 
 @torch.no_grad()
 def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], mesh, *,
                     source: str) -> None:
     """Copy full host tensors into the model's parameters, keeping each parameter's sharding."""
-    import torch_xla.distributed.spmd as xs
-
     from torchtitan_xla.parallelisms.parallelize_llama import partition_spec
 
     params = dict(model.named_parameters())
@@ -126,9 +129,7 @@ def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
         # Transfer, then shard before it is used: copying a host tensor straight into a sharded
         # parameter would leave the parameter replicated.
         t = full.to(device=param.device, dtype=param.dtype)
-        spec = partition_spec(param)
-        if any(a is not None for a in spec):
-            xs.mark_sharding(t, mesh, spec)
+        runtime.mark_sharding(t, mesh, partition_spec(param))
         param.copy_(t)
 
 

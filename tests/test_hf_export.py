@@ -1,0 +1,85 @@
+"""HuggingFace interop: the folder exported after training loads whole in `transformers`
+(tokenizer and model), converts back bit-exactly, and the conversion script writes the same
+files. All from the checkpoint tests' shared run (conftest.py's `straight`)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoint_helpers import run
+from helpers import REPO
+
+from torchtitan_xla.checkpoint import read_model_state
+
+
+def test_export_loads_in_transformers_with_equal_logits(straight):
+    """The folder written after the last step is usable without this project: AutoTokenizer and
+    AutoModelForCausalLM load it, the tokenizer gives the training tokenizer's ids, the model our
+    logits."""
+    transformers = pytest.importorskip("transformers")
+    from torchtitan_xla.datasets import build_tokenizer
+    from torchtitan_xla.models.llama import Transformer
+
+    folder, _, _ = straight
+    hf_dir = folder / "checkpoint" / "step-6-hf"
+    assert {p.name for p in hf_dir.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json",
+                                                   "tokenizer_config.json"}
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    sentence = "The quick brown fox jumps over the lazy dog; déjà vu, 12345 times."
+    ids = hf_tokenizer(sentence, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == build_tokenizer("").encode(sentence, bos=True, eos=False)
+    assert hf_tokenizer.decode(ids[0], skip_special_tokens=True) == sentence
+    state, model_args = read_model_state(folder / "checkpoint" / "step-6")
+    ours = Transformer(model_args)  # on the CPU: RoPE tables are computed by the constructor
+    ours.load_state_dict(state)
+    tokens = torch.cat([ids[:, :16].expand(2, 16), torch.randint(0, model_args.vocab_size, (2, 48))], 1)
+    with torch.no_grad():
+        expected, got = hf(tokens).logits, ours(tokens)
+    # float32 on both sides; they differ in summation order and in RoPE's angle precision.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["vocab_size"] == 2256 and config["num_hidden_layers"] == 2
+    assert (config["bos_token_id"], config["eos_token_id"]) == (2000, 2001)
+
+
+def test_import_round_trip_and_initial_load(straight, tmp_path):
+    folder, _, _ = straight
+    hf_dir = folder / "checkpoint" / "step-6-hf"
+    out = tmp_path / "imported" / "step-0"
+    p = subprocess.run([sys.executable, str(REPO / "scripts/convert_from_hf.py"), str(hf_dir), str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    imported, _ = read_model_state(out)
+    original, _ = read_model_state(folder / "checkpoint" / "step-6")
+    assert imported.keys() == original.keys()
+    for k in original:
+        assert torch.equal(imported[k], original[k]), k  # exact: names and RoPE permutation invert
+    # A run starting from the HF folder and one starting from the checkpoint see the same weights.
+    from_hf, log = run(tmp_path / "h", "--training.steps", "1", "--checkpoint.initial_load_path", str(hf_dir),
+                       "--checkpoint.initial_load_in_hf")
+    assert "Initial weights loaded from" in log and "(HuggingFace)" in log
+    from_ckpt, _ = run(tmp_path / "c", "--training.steps", "1", "--checkpoint.initial_load_path",
+                       str(folder / "checkpoint" / "step-6"))
+    assert from_hf == from_ckpt
+
+
+def test_convert_to_hf_script_matches_the_in_training_export(straight, tmp_path):
+    folder, _, _ = straight
+    out = tmp_path / "hf"
+    p = subprocess.run([sys.executable, str(REPO / "scripts/convert_to_hf.py"),
+                        str(folder / "checkpoint" / "step-6"), str(out), "--tokenizer", ""],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    from safetensors.torch import load_file
+
+    exported = folder / "checkpoint" / "step-6-hf"
+    a = load_file(str(out / "model.safetensors"))
+    b = load_file(str(exported / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in exported.iterdir())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (exported / name).read_bytes(), name

@@ -1,0 +1,98 @@
+"""The runtime layer is the only door to torch_xla: no other module imports it or sets XLA's
+environment variables; the launcher and config validation never import torch; the version check
+says one line."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from helpers import REPO
+
+from torchtitan_xla.runtime.process import TORCH_XLA_VERSION, version_warning
+
+PACKAGE = REPO / "torchtitan_xla"
+RUNTIME = PACKAGE / "runtime"
+# Everything that is not the runtime layer: the package, the recipe, the scripts.
+OUTSIDE = sorted(p for p in [*PACKAGE.rglob("*.py"), REPO / "train.py", *(REPO / "scripts").glob("*.py")]
+                 if RUNTIME not in p.parents)
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module or "")
+    return names
+
+
+def _environ_writes(tree: ast.AST) -> list[int]:
+    """Lines that change os.environ: item assignment or deletion, setdefault/update/pop, putenv."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else (
+            [node.target] if isinstance(node, ast.AugAssign) else [])
+        for t in targets:
+            if isinstance(t, ast.Subscript) and ast.unparse(t.value).endswith("environ"):
+                lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if (owner.endswith("environ") and node.func.attr in ("setdefault", "update", "pop", "clear")
+                    or node.func.attr in ("putenv", "unsetenv")):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_runtime_layer_touches_torch_xla_or_the_environment():
+    assert len(OUTSIDE) > 40 and REPO / "train.py" in OUTSIDE
+    offenders = []
+    for path in OUTSIDE:
+        text = path.read_text()
+        tree = ast.parse(text)
+        where = path.relative_to(REPO)
+        offenders += [f"{where}: imports {m}" for m in _imports(tree)
+                      if m == "torch_xla" or m.startswith("torch_xla.")]
+        if "_XLAC" in text:
+            offenders.append(f"{where}: mentions torch_xla._XLAC")
+        offenders += [f"{where}:{line}: changes os.environ" for line in _environ_writes(tree)]
+    assert offenders == []
+    # The check sees what it looks for: the runtime layer does all of it.
+    runtime_text = "".join(p.read_text() for p in RUNTIME.glob("*.py"))
+    assert "_XLAC" in runtime_text and "torch_xla" in _imports(ast.parse(runtime_text))
+    assert _environ_writes(ast.parse("import os\nos.environ['XLA_FLAGS'] = ''\n"
+                                     "os.environ.setdefault('PJRT_DEVICE', 'CPU')\n")) == [2, 3]
+
+
+def test_validating_a_config_and_planning_the_launch_never_import_torch():
+    """The launcher runs on every host before XLA starts and must stay cheap: reading and checking
+    a config, resolving the hosts and planning each host's variables import no torch."""
+    code = ("import sys\n"
+            "from torchtitan_xla.config import parse_args\n"
+            "from torchtitan_xla.launch import plan\n"
+            "from torchtitan_xla.models import get_model_args\n"
+            f"cfg = parse_args(['--job.config_file', {str(REPO / 'train_configs/llama3_8b.toml')!r}])\n"
+            "plan(cfg, {'PJRT_DEVICE': 'CPU'})\n"
+            "get_model_args(cfg.model.name, cfg.model.flavor, vocab_size=128256).ffn_hidden_dim\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'torch_xla'))))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]"
+
+
+def test_another_torch_xla_release_gives_one_warning_line():
+    assert version_warning(TORCH_XLA_VERSION) is None
+    assert version_warning(TORCH_XLA_VERSION + "+cpu") is None  # a local build tag
+    assert version_warning(None) is None  # not installed: importing it fails on its own
+    assert version_warning("2.10.0") == (
+        "torch_xla 2.10.0 is installed; torchtitan_xla's runtime layer (torchtitan_xla/runtime) was "
+        f"written and tested for {TORCH_XLA_VERSION}: the replayed step and checkpoint helpers use "
+        "private torch_xla calls that may have changed (use [compile] step = \"lazy\" if the step fails)")
+    assert "\n" not in version_warning("2.10.0")
+
+
+def test_no_module_of_the_package_is_over_400_lines():
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {p: n for p, n in sizes.items() if n > 400} == {}

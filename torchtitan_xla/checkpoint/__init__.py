@@ -1,0 +1,17 @@
+"""Checkpoints: the commit protocol (`commit`), the manager that saves and resumes the run
+(`manager`), HuggingFace export and import (`hf`), and stopping on preemption (`preemption`)."""
+
+from torchtitan_xla.checkpoint.commit import (
+    COMMIT_FILE,
+    MODEL_ARGS_FILE,
+    DamagedCheckpoint,
+    committed_steps,
+    read_model_state,
+    verify,
+    write_model_checkpoint,
+)
+from torchtitan_xla.checkpoint.manager import CheckpointManager, TrainState
+from torchtitan_xla.checkpoint.preemption import Preemption
+
+__all__ = ["COMMIT_FILE", "MODEL_ARGS_FILE", "CheckpointManager", "DamagedCheckpoint", "Preemption",
+           "TrainState", "committed_steps", "read_model_state", "verify", "write_model_checkpoint"]

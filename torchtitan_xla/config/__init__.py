@@ -1,0 +1,8 @@
+"""The job configuration: schema (`job_config.py`), reading and checking (`manager.py`), and the
+generated option reference (`reference.py`). Imports neither torch nor torch_xla."""
+
+from torchtitan_xla.config.job_config import JobConfig
+from torchtitan_xla.config.manager import parse_args
+from torchtitan_xla.errors import ConfigError, RunError
+
+__all__ = ["ConfigError", "JobConfig", "RunError", "parse_args"]

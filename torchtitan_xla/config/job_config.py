@@ -1,0 +1,254 @@
+"""The job's configuration schema: one dataclass per TOML section.
+
+TOML keys, command-line flags and attribute names are the same (`[training] steps` ==
+`--training.steps` == `config.training.steps`). Each field carries its default, its help text (shown
+by `--help` and docs/config.md) and optional numeric bounds; `manager.py` reads and checks values.
+
+This module imports neither torch nor torch_xla, so launch scripts can read a config cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
+        le: float | None = None) -> Any:
+    """A config field: its default, its help text (shown by --help and docs/config.md) and
+    optional numeric bounds that are checked after all sources are merged."""
+    meta = {"help": help, "gt": gt, "ge": ge, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file to read; command-line flags override its values.")
+    dump_folder: str = opt(
+        "./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints).")
+    description: str = opt("default job", "Free text describing the job; printed at start.")
+    print_config: bool = opt(
+        True, "Print the effective config at start (it is always saved to <dump_folder>/config.toml).")
+
+
+@dataclass
+class Model:
+    name: Literal["llama2", "llama3"] = opt("llama3", "Model family.")
+    flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
+    attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
+        "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
+        "in 4 query blocks that skip the masked keys, plain XLA ops: faster on the XLA CPU backend); "
+        "flash or splash (torch_xla's Pallas kernels, TPU only: elsewhere the run falls back to "
+        "sdpa with one warning).")
+    tokenizer_path: str = opt(
+        "",
+        "Tokenizer file: a tiktoken BPE rank file (Llama 3) or a sentencepiece model (Llama 2). "
+        "Empty: the project's own small tokenizer, trained from the embedded corpus and cached.")
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer.")
+    lr: float = opt(8e-4, "Peak learning rate.", gt=0)
+    beta1: float = opt(0.9, "Adam beta1.", ge=0, le=1)
+    beta2: float = opt(0.95, "Adam beta2.", ge=0, le=1)
+    eps: float = opt(1e-8, "Adam epsilon.", gt=0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam).", ge=0)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from lr/(warmup_steps+1) to lr.", ge=0)
+    decay_ratio: float | None = opt(
+        None,
+        "Fraction of the steps spent decaying at the end (warmup-stable-decay). "
+        "Unset: decay over all steps after warmup.", ge=0, le=1)
+    decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "Shape of the decay.")
+    min_lr_factor: float = opt(
+        0.0, "The lr decays towards lr * min_lr_factor (never reaching exactly 0).", ge=0, le=1)
+
+
+@dataclass
+class Training:
+    dataset: Literal["python_docs", "c4", "json", "parquet", "text", "hf", "synthetic"] = opt(
+        "python_docs",
+        "Dataset (docs/datasets.md): python_docs is embedded and works offline; c4 streams "
+        "allenai/c4 (en) from the Hub, or reads a local copy at dataset_path; json / parquet / "
+        "text read local files; hf a save_to_disk folder or a Hub id; synthetic is random tokens.")
+    dataset_path: str = opt(
+        "", "Local file, folder or glob of the dataset (c4: the folder holding en/); empty: the "
+        "registry default.")
+    dataset_split: str = opt(
+        "train", "Split to read: train, or validation (python_docs holds out every tenth topic; c4 "
+        "reads c4-validation.* files).")
+    shuffle_buffer: int = opt(
+        0, "Shuffle documents through a buffer of this many, seeded by debug.seed (0: source "
+        "order). The buffer is saved with the data state, so resume stays exact.", ge=0)
+    num_workers: int = opt(
+        0, "Tokenizing worker processes per host (0: a background thread of the training "
+        "process). Resume needs the same value.", ge=0)
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per forward/backward pass.", gt=0)
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all data-parallel ranks; a multiple of "
+        "local_batch_size x data-parallel degree, the ratio being gradient-accumulation steps. "
+        "-1: local_batch_size x data-parallel degree (no accumulation).")
+    seq_len: int = opt(2048, "Tokens per sequence.", gt=0)
+    max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).", ge=0)
+    steps: int = opt(10000, "Training steps.", gt=0)
+    mixed_precision_param: Literal["float32", "bfloat16"] = opt(
+        "bfloat16", "Compute dtype (autocast); parameters and optimizer state stay float32.")
+    gc_freq: int = opt(50, "Run Python's garbage collector every this many steps.", gt=0)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(
+        1, "Replicas of the model (HSDP replicate / DDP dimension).", gt=0)
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP dimension: parameters, gradients and optimizer state are sharded over it. "
+        "-1: all devices not used by the other degrees.")
+    tensor_parallel_degree: int = opt(
+        1, "Tensor (Megatron) parallel degree, with sequence parallelism between blocks.", gt=0)
+    num_slices: int = opt(
+        1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
+        "data_parallel_replicate_degree must be a multiple of it.", gt=0)
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints, and resume from the newest one at start.")
+    folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder; holds step-<N> folders.")
+    interval: int = opt(500, "Save every this many steps (and after the last step).", gt=0)
+    async_mode: Literal["disabled", "async"] = opt(
+        "disabled", "async: copy the state on the device (the loop waits only for that), then move "
+        "it to host memory and write it in the background while training continues; needs device "
+        "memory for a second copy of the saved state until it reaches the host.")
+    keep_latest_k: int = opt(
+        10, "Keep this many newest checkpoints (0: all). Old ones are deleted only after a newer "
+        "one is complete.", ge=0)
+    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the newest usable one.", ge=-1)
+    last_save_model_only: bool = opt(
+        False, "Make the save after the last step model weights only (for export), in export_dtype.")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "dtype of model-only saves and of the HuggingFace export.")
+    exclude_from_loading: list[str] = opt(
+        [], "Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, "
+        "train_state.")
+    on_damaged: Literal["fallback", "error"] = opt(
+        "fallback", "A checkpoint that fails to load: fall back to the previous one, or stop.")
+    initial_load_path: str = opt(
+        "", "With no checkpoint to resume from, start from these weights: a checkpoint step folder, "
+        "or a HuggingFace Llama folder (with initial_load_in_hf).")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a HuggingFace safetensors folder.")
+    last_save_in_hf: bool = opt(
+        False, "After the last step also export HuggingFace safetensors + config.json to "
+        "<folder>/step-<N>-hf.")
+    create_seed_checkpoint: bool = opt(
+        False, "Initialise the model, save it as step-0 (weights only) and exit: every run of an "
+        "experiment can then start from identical weights.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = opt(
+        "selective", "Recompute activations in the backward pass instead of keeping them: none, "
+        "full (every block), or selective (see selective_ac_option).")
+    selective_ac_option: str = opt(
+        "2", "For mode selective: an integer N checkpoints every N-th block; 'op' keeps the "
+        "outputs of the weight matmuls and recomputes everything else (norms, RoPE, attention "
+        "scores, activations).")
+
+
+@dataclass
+class Compile:
+    step: Literal["replay", "lazy"] = opt(
+        "replay", "How each training step becomes one XLA graph: replay traces the step at its "
+        "first two steps, then runs the compiled graph directly (the host does not retrace); lazy "
+        "traces every step under torch_xla.compile(full_graph=True), with torch_xla's "
+        "functionalization on. Both train bit-identically (tests/test_step_compilers.py).")
+    scan_layers: bool = opt(
+        False, "Run the blocks as one XLA while loop over stacked weights (torch_xla scan_layers): "
+        "compile time stops growing with depth. With scan, activation_checkpoint mode must be "
+        "'none' or selective 'op' (done by the min-cut partitioner).")
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = opt(
+        False, "Run the Linear layers' matmuls as float8 x float8 -> float32 dots (forward: e4m3 "
+        "input and weight; backward: e5m2 output gradient), with dynamic tensorwise scales. The "
+        "output projection stays in high precision. See docs/float8.md.")
+    filter_fqns: list[str] = opt(
+        [], "Keep Linear layers whose name contains any of these strings in high precision "
+        "(e.g. attention.wo).")
+    recipe_name: Literal["tensorwise"] = opt(
+        "tensorwise", "Scaling recipe: tensorwise = one dynamic scale per tensor from its "
+        "absolute maximum (global over shards).")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Read the loss back and log every this many steps.", gt=0)
+    enable_color_printing: bool = opt(True, "Colour the console line (only when printing to a terminal).")
+    enable_tensorboard: bool = opt(False, "Write TensorBoard event files.")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, inside dump_folder.")
+    rank_0_only: bool = opt(
+        True, "On multi-host runs, only host 0 prints the step line and writes TensorBoard; "
+        "false: every host does, each into <save_tb_folder>/<time>/rank_<host>.")
+    peak_flops: float | None = opt(
+        None, "Peak FLOP/s of one device, for MFU. Unset: the bf16 peak of the TPU generation "
+        "(v4, v5e, v5p, v6e, v7); on other devices MFU is n/a.", gt=0)
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(
+        False, "Write XLA profiler traces (TensorBoard's profile plugin reads them).")
+    save_traces_folder: str = opt(
+        "profile_traces",
+        "Trace folder, inside dump_folder; one iteration_<step> subfolder per trace.")
+    profile_freq: int = opt(10, "Trace the steps ending at every multiple of this step.", gt=0)
+    profiler_active: int = opt(1, "Steps per trace (at most profile_freq).", gt=0)
+    save_xla_metrics_report: bool = opt(
+        False, "When the run ends (or fails), write torch_xla's metrics report (compiles, "
+        "transfers, executions, CPU fallbacks) to <dump_folder>/xla_metrics_report.txt.")
+
+
+@dataclass
+class Debug:
+    seed: int | None = opt(None, "Seed for parameter init and data order; unset: a fixed default.")
+    deterministic: bool = opt(False, "Use deterministic algorithms only (same config, same losses).")
+    on_recompile: Literal["error", "warn"] = opt(
+        "error", "What a graph compile after warm-up (step 2) does: stop the run, or log a warning.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        # TOML has no null: an unset optional key is left out, which reads back as unset.
+        clean = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in self.to_dict().items()}
+        return tomli_w.dumps(clean)
+
+

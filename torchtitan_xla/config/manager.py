@@ -1,0 +1,340 @@
+"""Reading a JobConfig: defaults, then the TOML file, then command-line flags, then checks.
+
+Every mistake a user can make in a config is a `ConfigError` whose message is one line naming the
+file (or the command line), the key and what was expected.
+
+This module imports neither torch nor torch_xla, so launch scripts can read a config cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from torchtitan_xla.config.job_config import JobConfig
+from torchtitan_xla.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+# --------------------------------------------------------------------------------------------
+# Schema helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(section_cls, include_extras=True)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
+
+
+def _optional_inner(tp: Any) -> Any | None:
+    """The T in Optional[T], or None if `tp` is not optional."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def type_name(tp: Any) -> str:
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return f"{type_name(inner)} (optional)"
+    if typing.get_origin(tp) is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    if typing.get_origin(tp) is list:
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
+    return tp.__name__
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _from_toml(value: Any, tp: Any) -> Any:
+    """Check a TOML value against the field type; raises ValueError with what was expected."""
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return _from_toml(value, inner)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"expected one of {', '.join(map(repr, typing.get_args(tp)))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {value!r}")
+        return [_from_toml(v, typing.get_args(tp)[0]) for v in value]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp}")  # a bug in this file, not user input
+
+
+def _from_text(text: str, tp: Any) -> Any:
+    """Parse a command-line string into the field type; raises ValueError."""
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return None if text.lower() in ("", "none", "null") else _from_text(text, inner)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return [_from_text(t.strip(), typing.get_args(tp)[0]) for t in text.split(",") if t.strip()]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for c in choices:
+            if str(c) == text:
+                return c
+        raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {text!r}")
+    if tp is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"expected true or false, got {text!r}")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    return text
+
+
+def _check_bounds(value: Any, f: dataclasses.Field) -> str | None:
+    if value is None or isinstance(value, (bool, str, list)):
+        return None
+    m = f.metadata
+    if m.get("gt") is not None and not value > m["gt"]:
+        return f"must be > {m['gt']:g}"
+    if m.get("ge") is not None and not value >= m["ge"]:
+        return f"must be >= {m['ge']:g}"
+    if m.get("le") is not None and not value <= m["le"]:
+        return f"must be <= {m['le']:g}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+
+class _Sources:
+    """Where each value came from, so an error can name the file or the command line."""
+
+    def __init__(self) -> None:
+        self._where: dict[tuple[str, str], str] = {}
+
+    def set(self, section: str, key: str, where: str) -> None:
+        self._where[(section, key)] = where
+
+    def describe(self, section: str, key: str) -> str:
+        where = self._where.get((section, key), "default")
+        if where == "command line":
+            return f"command line: --{section}.{key}"
+        return f"{where}: [{section}] {key}"
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason})") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str, sources: _Sources) -> None:
+    sections = _sections()
+    for sname, svalues in data.items():
+        if sname not in sections:
+            raise ConfigError(f"{path}: unknown section [{sname}]{_did_you_mean(sname, list(sections))}")
+        if not isinstance(svalues, dict):
+            raise ConfigError(f"{path}: [{sname}] must be a table, got {svalues!r}")
+        fields = _fields(sections[sname])
+        section = getattr(cfg, sname)
+        for key, value in svalues.items():
+            if key not in fields:
+                raise ConfigError(
+                    f"{path}: unknown key [{sname}] {key}{_did_you_mean(key, list(fields))}")
+            tp, _ = fields[key]
+            try:
+                setattr(section, key, _from_toml(value, tp))
+            except ValueError as e:
+                raise ConfigError(f"{path}: [{sname}] {key}: {e}") from None
+            sources.set(sname, key, path)
+
+
+def _all_flags() -> dict[str, tuple[str, str, Any]]:
+    """'section.key' -> (section, key, type) for every option."""
+    out = {}
+    for sname, scls in _sections().items():
+        for key, (tp, _) in _fields(scls).items():
+            out[f"{sname}.{key}"] = (sname, key, tp)
+    return out
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
+    """Turn argv into (flag, value-or-None) pairs; a bare boolean flag has value None."""
+    flags = _all_flags()
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--"):
+            raise ConfigError(
+                f"command line: unexpected argument {tok!r} (options look like --section.key value)")
+        name, eq, inline = tok[2:].partition("=")
+        section, dot, key = name.partition(".")
+        key = key.replace("-", "_")
+        section = section.replace("-", "_")
+        flag = f"{section}.{key}"
+        negated = flag not in flags and key.startswith("no_") and f"{section}.{key[3:]}" in flags
+        if negated:
+            flag = f"{section}.{key[3:]}"
+            if flags[flag][2] is not bool:
+                raise ConfigError(f"command line: --{name} is only valid for boolean options")
+            if eq:
+                raise ConfigError(f"command line: --{name} takes no value")
+            pairs.append((flag, "false"))
+            i += 1
+            continue
+        if flag not in flags:
+            close = difflib.get_close_matches(flag, list(flags), n=1)
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            raise ConfigError(f"command line: unknown option --{name}{hint}")
+        tp = flags[flag][2]
+        if eq:
+            pairs.append((flag, inline))
+            i += 1
+        elif tp is bool:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and nxt.lower() in _TRUE | _FALSE:
+                pairs.append((flag, nxt))
+                i += 2
+            else:
+                pairs.append((flag, None))
+                i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: --{name} needs a value ({type_name(tp)})")
+            pairs.append((flag, argv[i + 1]))
+            i += 2
+    return pairs
+
+
+def _validate(cfg: JobConfig, sources: _Sources) -> None:
+    for sname, scls in _sections().items():
+        section = getattr(cfg, sname)
+        for key, (_, f) in _fields(scls).items():
+            problem = _check_bounds(getattr(section, key), f)
+            if problem:
+                raise ConfigError(f"{sources.describe(sname, key)} = {getattr(section, key)!r}: {problem}")
+    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    for part in cfg.checkpoint.exclude_from_loading:
+        if part not in parts:
+            raise ConfigError(
+                f"{sources.describe('checkpoint', 'exclude_from_loading')}: unknown part {part!r}; "
+                f"expected any of {', '.join(sorted(parts))}")
+    ac = cfg.activation_checkpoint
+    if ac.selective_ac_option != "op" and not (ac.selective_ac_option.isdigit()
+                                               and int(ac.selective_ac_option) > 0):
+        raise ConfigError(
+            f"{sources.describe('activation_checkpoint', 'selective_ac_option')} = "
+            f"{ac.selective_ac_option!r}: expected 'op' or a positive integer N (every N-th block)")
+    if cfg.compile.scan_layers and not (
+            ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option == "op")):
+        raise ConfigError(
+            f"{sources.describe('compile', 'scan_layers')} = true cannot be combined with "
+            f"[activation_checkpoint] mode = {ac.mode!r}"
+            + (f", selective_ac_option = {ac.selective_ac_option!r}" if ac.mode == "selective" else "")
+            + ": under scan use mode 'none' or selective 'op'")
+    if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
+        raise ConfigError(
+            f"{sources.describe('training', 'global_batch_size')} = "
+            f"{cfg.training.global_batch_size}: must be -1 (no accumulation) or > 0")
+    p = cfg.parallelism
+    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
+        raise ConfigError(
+            f"{sources.describe('parallelism', 'data_parallel_shard_degree')} = "
+            f"{p.data_parallel_shard_degree}: must be -1 (all remaining devices) or > 0")
+    prof = cfg.profiling
+    if prof.profiler_active > prof.profile_freq:
+        raise ConfigError(
+            f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
+            f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
+            f"before the next starts")
+    from torchtitan_xla.models import flavors_of  # torch-free registry of names
+
+    known = flavors_of(cfg.model.name)
+    if cfg.model.flavor not in known:
+        raise ConfigError(
+            f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
+            f"{cfg.model.name}; expected one of {', '.join(known)}")
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from defaults, then the TOML file, then command-line flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        from torchtitan_xla.config.reference import help_text
+
+        print(help_text())
+        raise SystemExit(0)
+    pairs = _split_cli(argv)
+    cfg = JobConfig()
+    sources = _Sources()
+    config_file = next((v for f, v in pairs if f == "job.config_file"), None)
+    if config_file:
+        _apply_toml(cfg, _load_toml(config_file), config_file, sources)
+    flags = _all_flags()
+    for flag, text in pairs:
+        sname, key, tp = flags[flag]
+        try:
+            value = True if text is None else _from_text(text, tp)
+        except ValueError as e:
+            raise ConfigError(f"command line: --{flag}: {e}") from None
+        setattr(getattr(cfg, sname), key, value)
+        sources.set(sname, key, "command line")
+    _validate(cfg, sources)
+    return cfg
+
+

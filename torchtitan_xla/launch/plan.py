@@ -1,0 +1,75 @@
+"""The launch plan: the variables each host's process runs with, and the dry run that shows them.
+Imports neither torch nor torch_xla."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Mapping
+
+from torchtitan_xla.config import JobConfig
+from torchtitan_xla.launch.hosts import Hosts, check_slices, resolve_hosts
+from torchtitan_xla.launch.tpu import tpu_env
+from torchtitan_xla.runtime.process import cpu_malloc_env
+
+
+def cpu_device_count(job_config: JobConfig) -> int:
+    """Virtual XLA CPU devices the job's mesh needs: the product of the fixed parallel degrees
+    (a `data_parallel_shard_degree` of -1 counts as 1, so the default job runs on one device)."""
+    p = job_config.parallelism
+    shard = max(p.data_parallel_shard_degree, 1)
+    return p.data_parallel_replicate_degree * shard * p.tensor_parallel_degree
+
+
+
+def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, str], *,
+             metadata: bool | None = None) -> dict[str, str]:
+    """The variables run_train.sh sets for the process on host `rank` (the rest of the
+    environment passes through unchanged)."""
+    device = env.get("PJRT_DEVICE", "CPU")
+    out = {"PJRT_DEVICE": device}
+    if device == "CPU":
+        out["CPU_NUM_DEVICES"] = env.get("CPU_NUM_DEVICES") or str(cpu_device_count(job_config))
+        out |= cpu_malloc_env(env)
+    if hosts.count > 1:
+        # train.py reads these (torchrun's names) whatever the scheduler was.
+        out |= {"NNODES": str(hosts.count), "NODE_RANK": str(rank),
+                "MASTER_ADDR": hosts.master_addr or "", "MASTER_PORT": str(hosts.master_port)}
+        if hosts.hostnames:
+            out["HOSTNAMES"] = ",".join(hosts.hostnames)
+    if device == "TPU":
+        out |= tpu_env(hosts, rank, job_config.parallelism.num_slices, env, metadata=metadata)
+    return out
+
+
+def plan(job_config: JobConfig, env: Mapping[str, str] = os.environ, *,
+         metadata: bool | None = None) -> tuple[Hosts, dict[str, str]]:
+    """Resolve and check the hosts; this host's variables. Raises ConfigError on bad input."""
+    hosts = resolve_hosts(env)
+    check_slices(hosts, job_config.parallelism.num_slices)
+    return hosts, host_env(hosts, hosts.rank, job_config, env, metadata=metadata)
+
+
+# Variables a dry run shows even when they come unchanged from the environment.
+_SHOWN = ("TPU_", "MEGASCALE_", "PJRT_", "XLA_", "LIBTPU_", "CPU_NUM_DEVICES", "MASTER_", "NNODES",
+          "NODE_RANK", "HOSTNAMES")
+
+
+def dry_run_text(job_config: JobConfig, command: list[str], env: Mapping[str, str] = os.environ, *,
+                 metadata: bool | None = None) -> str:
+    """What `run_train.sh --dry-run` prints: for every host, the variables it sets and the
+    command it runs; XLA is not started."""
+    hosts = resolve_hosts(env, dry_run=True)
+    check_slices(hosts, job_config.parallelism.num_slices)
+    names = hosts.hostnames or ()
+    lines = [f"# {hosts.count} host(s), from {hosts.source}; the same command runs on each"]
+    for rank in range(hosts.count):
+        where = f" ({names[rank]})" if rank < len(names) else ""
+        this = "  <- this host" if rank == hosts.rank and hosts.count > 1 else ""
+        lines.append(f"# host {rank}{where}{this}")
+        variables = {k: v for k, v in env.items() if k.startswith(_SHOWN)}
+        variables |= host_env(hosts, rank, job_config, env, metadata=metadata)
+        for k, v in sorted(variables.items()):
+            lines.append(f"{k}={shlex.quote(v)}")
+        lines.append(shlex.join(command))
+    return "\n".join(lines)

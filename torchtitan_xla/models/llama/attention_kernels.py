@@ -1,0 +1,51 @@
+"""Attention kernels that can replace a block's `attention.sdpa` module (`[model] attention`):
+
+- sdpa: `F.scaled_dot_product_attention`, compiled by XLA on any device (the model's own module);
+- blockwise: causal attention in query blocks that skip the masked keys (blockwise_attention.py),
+  plain tensor ops, faster on the XLA CPU backend;
+- flash / splash: torch_xla's Pallas kernels, TPU only (elsewhere the run keeps sdpa, with one
+  warning). Not verified on TPU by this project.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchtitan_xla.logging import logger
+from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
+
+# [batch, heads, seq, head_dim]: batch over the data-parallel axes, heads over tensor parallel,
+# as apply_tp constrains the heads.
+HEADS_SPEC = (("dp_replicate", "fsdp"), "tp", None, None)
+
+
+class PallasAttention(nn.Module):
+    """torch_xla's Pallas flash or splash attention, sharded like the heads."""
+
+    def __init__(self, kind: str, mesh, spec=HEADS_SPEC):
+        super().__init__()
+        self.kind, self.mesh, self.spec = kind, mesh, spec
+
+    def forward(self, q, k, v):
+        from torchtitan_xla.runtime import kernels
+
+        kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
+        return kernel(q, k, v, mesh=self.mesh, spec=self.spec)
+
+
+def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:
+    """Swap every block's attention module for the `kind` kernel (no parameters change)."""
+    if kind == "sdpa":
+        return
+    if kind == "blockwise":
+        for block in model.layers.values():
+            block.attention.sdpa = BlockwiseCausalAttention()
+        logger.info("Attention: blockwise causal (4 query blocks)")
+        return
+    if device_type != "TPU":
+        logger.warning(f"[model] attention = {kind!r}: torch_xla's Pallas kernels run only on TPU; "
+                       f"this {device_type} run uses sdpa")
+        return
+    for block in model.layers.values():
+        block.attention.sdpa = PallasAttention(kind, mesh)
+    logger.info(f"Attention: Pallas {kind} attention kernel (not verified on TPU by this project)")

@@ -1,0 +1,176 @@
+"""The XLA device and the runtime's answers about it: SPMD start-up, the mesh's device count, which
+host this is, syncs, RNG state, compile counts and memory statistics."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from torchtitan_xla.logging import logger
+from torchtitan_xla.runtime.process import installed_torch_xla, version_warning
+
+
+def init_spmd() -> torch.device:
+    """Start XLA in SPMD mode (one process drives every device of its host, XLA partitions each
+    graph over the mesh); returns the device every tensor goes to. Warns once when the installed
+    torch_xla is not the release this layer was written for."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    warning = version_warning(installed_torch_xla())
+    if warning:
+        logger.warning(warning)
+    xr.use_spmd()
+    return torch_xla.device()
+
+
+def current_device() -> torch.device:
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def device_type() -> str:
+    """"CPU", "TPU", ... as the runtime reports it."""
+    import torch_xla.runtime as xr
+
+    return xr.device_type()
+
+
+def device_count() -> int:
+    """Devices in the global mesh (every host's)."""
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count()
+
+
+def process_index() -> int:
+    import torch_xla.runtime as xr
+
+    return xr.process_index()
+
+
+def process_count() -> int:
+    import torch_xla.runtime as xr
+
+    return xr.process_count()
+
+
+def master_ip() -> str:
+    """Process 0's address on a TPU pod configured by its metadata server."""
+    import torch_xla.runtime as xr
+
+    return xr.get_master_ip()
+
+
+def sync() -> None:
+    """Cut the lazy graph here and start running it (returns before it finishes)."""
+    import torch_xla
+
+    torch_xla.sync()
+
+
+def materialise() -> None:
+    """Run every pending computation and wait for it."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    xm.wait_device_ops()
+
+
+def wait() -> None:
+    """Wait for everything already started on the device."""
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()
+
+
+def to_device(tensors: list[torch.Tensor], dev: torch.device, sharding=None) -> list[torch.Tensor]:
+    """Host tensors onto the device in one transfer, each laid out by `sharding` (an
+    `input_sharding`) when given: every device receives only its part."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.send_cpu_data_to_device(tensors, dev, sharding)
+
+
+def set_seed(seed: int) -> None:
+    """Seed torch's host RNG and the device RNG."""
+    import torch_xla.core.xla_model as xm
+
+    torch.manual_seed(seed)
+    xm.set_rng_state(seed)
+
+
+def rng_state() -> int:
+    import torch_xla.core.xla_model as xm
+
+    return xm.get_rng_state()
+
+
+def set_rng_state(state: int) -> None:
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(int(state))
+
+
+def compile_stats() -> tuple[int, float]:
+    """(number of XLA graph compiles so far in this process, total compile seconds)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return (0, 0.0) if data is None else (int(data[0]), data[1] / 1e9)
+
+
+def metrics_report() -> str:
+    """torch_xla's report of compiles, transfers, executions and CPU fallbacks."""
+    import torch_xla.debug.metrics as met
+
+    return met.metrics_report()
+
+
+def memory_info(dev: torch.device) -> dict[str, int]:
+    """The device allocator's bytes_used / peak_bytes_used / bytes_limit. Raises where the runtime
+    has none (the XLA CPU backend; the SPMD virtual device in torch_xla 2.9, pytorch/xla#9022)."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.get_memory_info(dev)
+
+
+def tpu_accelerator_type() -> str | None:
+    """The TPU slice's accelerator type ("v5p-128") from GKE's variable or the TPU VM metadata;
+    None when neither says. (Under SPMD torch_xla 2.9's device-kind query fails.) Not verified on
+    TPU."""
+    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")
+    if accelerator:
+        return accelerator
+    try:
+        from torch_xla._internal import tpu
+
+        return tpu.get_tpu_type()
+    except Exception as e:  # no metadata server
+        logger.debug(f"TPU accelerator type unknown: {e}")
+        return None
+
+
+def slice_count() -> int:
+    """TPU slices the runtime sees (multi-slice over DCN)."""
+    import torch_xla.runtime as xr
+
+    return len({a.get("slice_index", 0) for a in xr.global_runtime_device_attributes()})
+
+
+def start_trace(folder: str) -> None:
+    import torch_xla.debug.profiler as xp
+
+    xp.start_trace(folder)
+
+
+def stop_trace() -> None:
+    """End the profiler trace after the steps in it have run on the device."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.profiler as xp
+
+    xm.wait_device_ops()
+    xp.stop_trace()

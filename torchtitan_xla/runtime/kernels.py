@@ -1,0 +1,102 @@
+"""torch_xla's own ops and kernels that the model-side code calls through here: the Pallas
+attention kernels (TPU only), the float8 dot with a float32 result, activation-checkpoint fences,
+and scan over layers (through torch_xla's JAX bridge)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+from torchtitan_xla.errors import ConfigError
+
+
+def flash_attention(q, k, v, *, mesh, spec) -> torch.Tensor:
+    """Causal Pallas flash attention over [batch, heads, seq, head_dim], sharded by `spec`.
+    TPU only; not verified on TPU by this project."""
+    from torch_xla.experimental.custom_kernel import flash_attention as kernel
+
+    return kernel(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, partition_spec=spec, mesh=mesh)
+
+
+def splash_attention(q, k, v, *, mesh, spec) -> torch.Tensor:
+    """Causal Pallas splash attention, as `flash_attention`. TPU only; not verified on TPU."""
+    from torch_xla.experimental.splash_attention import SplashAttentionConfig
+    from torch_xla.experimental.splash_attention import splash_attention as kernel
+
+    block = min(2048, q.shape[-2])  # the kernel's default blocks, capped at the sequence
+    blocks = {f: block for f in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+                                 "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq",
+                                 "sa_block_kv_dq")}
+    config = SplashAttentionConfig(mesh=str(mesh), qkv_partition_spec=spec,
+                                   segment_ids_partition_spec=(spec[0], None), **blocks)
+    # The splash kernel does not scale the scores itself.
+    return kernel(q * q.shape[-1] ** -0.5, k, v, config.to_json(), causal=True)
+
+
+def dot_f32(a: torch.Tensor, b: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:
+    """One HLO `dot` contracting `a_dims` with `b_dims`, accumulated and returned in float32
+    whatever the operands' dtype (float8 operands stay float8 in the dot). torch.matmul on float8
+    tensors rounds its result to float8, and torch._scaled_mm falls back to the CPU on XLA."""
+    import torch_xla
+
+    return torch_xla._XLAC._xla_dot_general(a, b, ((a_dims, b_dims), ()),
+                                            preferred_element_type=torch.float32)
+
+
+def checkpoint(fn: Callable, *args):
+    """Full activation checkpointing of `fn(*args)` with torch_xla's checkpoint, which also fences
+    the recomputation so XLA cannot merge it with the forward pass."""
+    from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+    return xla_checkpoint(fn, *args)
+
+
+def optimization_barrier_(tensors: list[torch.Tensor]) -> None:
+    """XLA may not move computation across this point for these tensors (in place)."""
+    import torch_xla.core.xla_model as xm
+
+    xm.optimization_barrier_(tensors)
+
+
+def enable_torch_checkpoint() -> None:
+    """torch's non-reentrant checkpoint looks up `torch.<device type>`, which torch_xla does not
+    register; its own error message asks for torch._register_device_module. Only RNG state would
+    be read from it, and the callers do not preserve RNG state (the model has no dropout)."""
+    if not hasattr(torch, "xla"):
+        torch._register_device_module("xla", types.ModuleType("torch.xla"))
+
+
+def check_torchax() -> None:
+    """scan_layers reaches JAX through torchax. torch_xla 2.9's wheel ships an older torchax (0.0.6)
+    into the same `torchax/` directory as the torchax wheel; if torch_xla was unpacked last, the
+    installed metadata says one version while the old files run, and the scan crashes the process
+    (SIGSEGV) instead of raising. Refuse up front with the fix."""
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version("torchax")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("compile.scan_layers = true needs jax and torchax: pip install "
+                          "'torch_xla[pallas]==2.9.0' torchax==0.0.13") from None
+    try:
+        import torchax
+
+        on_disk = torchax.__version__
+    except ImportError as e:  # torch_xla's old copy imports flax, which is not installed
+        on_disk = f"unimportable ({e})"
+    if on_disk != installed:
+        raise ConfigError(
+            f"compile.scan_layers = true: the torchax files on disk are not the torchax {installed} "
+            f"pip installed (torch_xla's wheel overwrote them; found: {on_disk}); restore them with: "
+            f"pip install --force-reinstall --no-deps torchax=={installed}")
+
+
+def scan_layers(layers: list[torch.nn.Module], carry: tuple, partition_fn: Callable) -> tuple:
+    """Run structurally identical `layers` as one XLA while loop over their stacked weights; each
+    layer maps the `carry` tuple to the next. Activation checkpointing inside is the partitioner's
+    choice (`partition_fn`)."""
+    from torch_xla.experimental.scan_layers import scan_layers as xla_scan_layers
+
+    return xla_scan_layers(layers, carry, partition_fn=partition_fn, is_layer_pure=True)

@@ -1,0 +1,119 @@
+"""What the process needs before XLA starts: the torch_xla version check, the functionalization
+switch that follows the step compiler, and the XLA CPU backend's compiler flags and host malloc.
+
+Imports neither torch nor torch_xla: the launcher calls it to build each host's environment.
+docs/performance.md has the measurements behind every CPU setting here.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.metadata
+import os
+from collections.abc import Mapping, MutableMapping
+
+# The torch_xla release this layer's private calls (torch_xla._XLAC) were written and tested for.
+TORCH_XLA_VERSION = "2.9.0"
+
+STEP_COMPILERS = ("replay", "lazy")
+
+
+def installed_torch_xla() -> str | None:
+    try:
+        return importlib.metadata.version("torch_xla")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_warning(installed: str | None) -> str | None:
+    """One line when the installed torch_xla is not the release this layer was written for."""
+    if installed is None or installed.split("+")[0] == TORCH_XLA_VERSION:
+        return None
+    return (f"torch_xla {installed} is installed; torchtitan_xla's runtime layer "
+            f"(torchtitan_xla/runtime) was written and tested for {TORCH_XLA_VERSION}: the replayed "
+            f"step and checkpoint helpers use private torch_xla calls that may have changed "
+            f"(use [compile] step = \"lazy\" if the step fails)")
+
+
+def configure(step_compiler: str, env: MutableMapping[str, str] = os.environ) -> None:
+    """Set the process-wide switches before any XLA tensor exists.
+
+    - torch_xla's functionalization follows the step compiler: off for `replay`, whose replayed
+      graph rebinds tensors that functionalization's wrappers would not see; on (torch_xla's
+      default) for `lazy`. torch_xla reads the variable whenever it makes a tensor, so this is the
+      one place that sets it.
+    - On the CPU backend, XLA's compiler flags (`cpu_xla_flags`); read when XLA starts.
+    """
+    if step_compiler not in STEP_COMPILERS:
+        raise ValueError(f"unknown step compiler {step_compiler!r}")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GSPMD notice
+    env["XLA_DISABLE_FUNCTIONALIZATION"] = "1" if step_compiler == "replay" else "0"
+    if env.get("PJRT_DEVICE") == "CPU":
+        env["XLA_FLAGS"] = cpu_xla_flags(env.get("XLA_FLAGS", ""), cpu_features())
+
+
+# ---- the XLA CPU backend ------------------------------------------------------------------------
+
+
+def cpu_xla_flags(xla_flags: str, cpu_features: set[str]) -> str:
+    """`xla_flags` (the user's XLA_FLAGS) with ours added; a flag the user names is left as set.
+
+    - Copy insertion with region analysis: fewer copies around the in-place updates of the donated
+      parameter and optimizer buffers. No number changes.
+    - 512-bit vectors for XLA's own kernels where the CPU has AVX-512 (LLVM prefers 256-bit);
+      reductions vectorise in another order, so floats can differ in the last bit.
+    """
+    ours = {"xla_cpu_copy_insertion_use_region_analysis": "true"}
+    if "avx512f" in cpu_features:
+        ours["xla_cpu_prefer_vector_width"] = "512"
+    added = [f"--{name}={value}" for name, value in ours.items() if f"--{name}=" not in xla_flags]
+    return " ".join([xla_flags, *added]).strip()
+
+
+def cpu_features() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((set(line.split(":", 1)[1].split()) for line in fh
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo), for benchmark reports."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line.split(":", 1)[1].strip() for line in fh
+                         if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
+def vector_features(features: set[str]) -> str:
+    """The vector extensions that decide XLA CPU's speed, e.g. "avx2 fma avx512f"."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+    return " ".join(f for f in wanted if f in features) or "none of avx2/avx512"
+
+
+# XLA CPU mallocs each execution's large temporary buffer and frees it at the end; glibc hands a
+# block that large back to the kernel, which faults and zeroes it again every step. tcmalloc keeps
+# freed spans; glibc's transparent huge pages make the faults 2 MB at a time. Both are read when a
+# process starts, hence variables for the launcher to export. Set either empty to turn ours off.
+CPU_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
+TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
+
+
+def find_tcmalloc() -> str | None:
+    """The installed tcmalloc's soname (what LD_PRELOAD needs), or None."""
+    return next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)
+
+
+def cpu_malloc_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The malloc variables for a process on the CPU backend, given the environment `env` (whose
+    variables win) and the tcmalloc installed here, if any. tcmalloc's "large alloc" report is
+    switched off: XLA's temporaries are large by design."""
+    out = {"GLIBC_TUNABLES": env.get("GLIBC_TUNABLES", CPU_GLIBC_TUNABLES)}
+    if "LD_PRELOAD" not in env and (tcmalloc := find_tcmalloc()):
+        out |= {"LD_PRELOAD": tcmalloc, "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
+    return out
