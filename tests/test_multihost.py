@@ -45,10 +45,17 @@ def start_two(args: list[str], port: int) -> list[subprocess.Popen]:
 
 
 def finish(procs: list[subprocess.Popen], timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Wait for every host; hosts still running after `timeout` seconds (a collective that only
+    some hosts entered waits for ever) are killed and fail the test."""
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"the hosts did not finish within {timeout} s") from None
     return results
 
 
@@ -129,7 +136,7 @@ def test_sigterm_to_one_host_stops_both_at_the_same_step_with_one_checkpoint(tmp
         if re.search(r"step:\s+3 ", line):
             host1.send_signal(signal.SIGTERM)
             break
-    rest0, rest1 = finish([host0, host1])
+    rest0, rest1 = finish([host0, host1], timeout=300)
     err0, err1 = "".join(log0) + rest0.stderr, rest1.stderr
     assert (host0.returncode, host1.returncode) == (0, 0), (err0[-2000:], err1[-2000:])
     assert "SIGTERM received" in err1 and "SIGTERM received" not in err0
