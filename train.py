@@ -60,7 +60,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # Where the run writes: shown to be writable now, not at the first checkpoint hours later.
     dump_folder = Path(job_config.job.dump_folder)
     check_writable(dump_folder, "[job] dump_folder")
-    if job_config.checkpoint.enable or job_config.checkpoint.create_seed_checkpoint:
+    ckpt = job_config.checkpoint
+    if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.last_save_in_hf:
         check_writable(dump_folder / job_config.checkpoint.folder, "[checkpoint] folder")
 
     # Devices: SPMD from the first XLA call on, one mesh over every device of every host.

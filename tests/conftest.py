@@ -12,7 +12,7 @@ _CACHE = tempfile.mkdtemp(prefix="ttx-test-cache-")
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ["XLA_DISABLE_FUNCTIONALIZATION"] = "1"  # as train.py sets it, whichever test runs first
+os.environ["XLA_DISABLE_FUNCTIONALIZATION"] = "1"  # as runtime.configure("replay") sets it, whichever test runs first
 os.environ["TORCHTITAN_XLA_CACHE"] = _CACHE
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "hf_datasets")
 os.environ["HF_HUB_OFFLINE"] = "1"

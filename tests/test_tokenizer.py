@@ -219,7 +219,7 @@ def test_sentencepiece_export_loads_in_auto_tokenizer(tmp_path):
     ours = build_tokenizer(str(prefix) + ".model")
     # Llama 2 style text: sentencepiece's own leading-space convention is what HF's reproduces.
     hf = _assert_hf_round_trip(ours, tmp_path / "hf", ["Hello world!", *python_docs.documents()[40:43]])
-    assert type(hf).__name__ == "LlamaTokenizer"
+    assert type(hf).__name__.startswith("LlamaTokenizer")  # LlamaTokenizerFast before transformers 5
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (prefix.with_suffix(".model")).read_bytes()
 
 

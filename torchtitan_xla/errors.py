@@ -25,10 +25,10 @@ class RunError(RuntimeError):
 
 def first_line(e: BaseException, *, typed: bool = True, limit: int = 300) -> str:
     """`Type: first line of the message` (an exception's text can be a whole traceback); without
-    the type when `typed` is false."""
+    the type when `typed` is false, unless the message is empty."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
-    if typed:
+    if typed or not first:
         first = f"{type(e).__name__}: {first}" if first else type(e).__name__
     return first[:limit]
 

@@ -176,7 +176,7 @@ def _parquet(path: str, split: str) -> datasets.IterableDataset:
         ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
     except Exception as e:  # pyarrow reports unreadable files with various exception types
         raise ConfigError(f"[training] dataset_path: {path}: not readable as Parquet "
-                          f"({first_line(e)})") from None
+                          f"({first_line(e, typed=False)})") from None
     return _text_column(ds, path)
 
 
@@ -192,7 +192,7 @@ def _hf(path: str, split: str) -> datasets.IterableDataset:
             ds = datasets.load_from_disk(str(Path(path).expanduser()))
         except FileNotFoundError as e:
             raise ConfigError(f"[training] dataset_path: {path} is not a save_to_disk folder "
-                              f"({first_line(e)})") from None
+                              f"({first_line(e, typed=False)})") from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise ConfigError(f"[training] dataset_split: {path} has splits "
@@ -217,7 +217,7 @@ def _hub(repo_id: str, split: str, config: str | None = None) -> datasets.Iterab
     except Exception as e:  # offline, unknown repo, unknown split: all surface as one line
         raise ConfigError(
             f"[training] dataset: cannot stream {repo_id}{'/' + config if config else ''} split "
-            f"{split!r} from the Hugging Face Hub ({first_line(e)}); for offline use, set "
+            f"{split!r} from the Hugging Face Hub ({first_line(e, typed=False)}); for offline use, set "
             f"[training] dataset_path to a local copy") from None
     return _text_column(ds, repo_id)
 

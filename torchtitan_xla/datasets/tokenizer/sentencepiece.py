@@ -39,8 +39,10 @@ class SentencePieceTokenizer(Tokenizer):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.path, out / "tokenizer.model")
-        piece = self.sp.id_to_piece
-        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-                  "bos_token": piece(self.bos_id), "eos_token": piece(self.eos_id),
-                  "unk_token": piece(self.sp.unk_id()), "legacy": False}
+        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": self.bos_id >= 0,
+                  "add_eos_token": False, "legacy": False}
+        specials = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.sp.unk_id()}
+        for name, i in specials.items():
+            if i >= 0:  # a model trained without that token has id -1
+                config[name] = self.sp.id_to_piece(i)
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))

@@ -90,19 +90,27 @@ class TikTokenizer(Tokenizer):
         return self.model.decode(ids)
 
     def save_pretrained(self, out_dir) -> None:
-        """tokenizer.json (byte-level BPE with Llama 3's pattern and special tokens, converted by
-        transformers' own TikTokenConverter) and tokenizer_config.json; BOS is added as Llama 3's
-        HF tokenizers add it."""
-        from tokenizers import processors
+        """tokenizer.json (byte-level BPE with Llama 3's pattern, converted by transformers' own
+        TikTokenConverter, and the special tokens at their ids) and tokenizer_config.json; BOS is
+        added as Llama 3's HF tokenizers add it."""
+        import tempfile
+
+        from tokenizers import AddedToken, processors
         from transformers import PreTrainedTokenizerFast
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
-        class Converter(TikTokenConverter):
-            # read_ranks, not tiktoken's loader, which caches files by path (see read_ranks).
-            load_tiktoken_bpe = staticmethod(read_ranks)
-
-        backend = Converter(vocab_file=self.path, pattern=LLAMA3_PATTERN,
-                            extra_special_tokens=self.special_tokens).converted()
+        with tempfile.TemporaryDirectory() as tmp:
+            # The converter reads the file with tiktoken's loader, which caches files by path
+            # (see read_ranks): a new path cannot give a stale copy.
+            ranks = Path(tmp) / "ranks.tiktoken"
+            ranks.write_bytes(Path(self.path).read_bytes())
+            backend = TikTokenConverter(vocab_file=str(ranks), pattern=LLAMA3_PATTERN).converted()
+        # Appended after the ranks, in order: the ids Meta's layout gives them.
+        specials = [AddedToken(t, special=True, normalized=False) for t in self.special_tokens]
+        backend.add_special_tokens(specials)
+        moved = [t for t, i in self.special_tokens.items() if backend.token_to_id(t) != i]
+        if moved:
+            raise RuntimeError(f"HF tokenizer export: special tokens at the wrong ids ({moved[:3]})")
         bos = "<|begin_of_text|>"
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])

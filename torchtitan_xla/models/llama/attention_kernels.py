@@ -13,10 +13,11 @@ from torch import nn
 
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
+from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
 # [batch, heads, seq, head_dim]: batch over the data-parallel axes, heads over tensor parallel,
 # as apply_tp constrains the heads.
-HEADS_SPEC = (("dp_replicate", "fsdp"), "tp", None, None)
+HEADS_SPEC = (BATCH_AXES, "tp", None, None)
 
 
 class PallasAttention(nn.Module):

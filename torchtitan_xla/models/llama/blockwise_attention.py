@@ -66,7 +66,7 @@ class _ProbsTimesValues(torch.autograd.Function):
 
 class BlockwiseCausalAttention(nn.Module):
     """Causal attention over [batch, heads, seq, head_dim] in `blocks` query blocks; replaces a
-    block's `attention.sdpa` (parallelize_llama.apply_attention_kernel)."""
+    block's `attention.sdpa` (attention_kernels.apply_attention_kernel)."""
 
     def __init__(self, blocks: int = 4):
         super().__init__()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_xla.models.llama.model import ModelArgs
+from torchtitan_xla.models.llama.args import ModelArgs
 
 _LAYER_MAP = {
     "attention.wq.weight": "self_attn.q_proj.weight",
