@@ -9,6 +9,7 @@ named mesh and XLA partitions the step. Each step is one compiled graph.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -32,13 +33,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     runtime.configure(job_config.compile.step)
 
     import torch
-    import torch.nn.functional as F
 
     from torchtitan_xla.checkpoint import CheckpointManager, Preemption, TrainState
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
+    from torchtitan_xla.errors import ConfigError
+    from torchtitan_xla.eval import evaluate, parse_task, write_results
     from torchtitan_xla.float8 import convert_to_float8_training
     from torchtitan_xla.launch import host_identity, init_host_group
     from torchtitan_xla.logging import init_logger, logger
+    from torchtitan_xla.losses import build_loss_fn
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, get_model_class
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
@@ -51,6 +54,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.utils import GarbageCollection, check_writable, set_determinism
+    from torchtitan_xla.validate import build_validator, validation_config
 
     init_logger()
     logger.info(f"Starting job: {job_config.job.description}")
@@ -98,8 +102,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
-                                vocab_size=tokenizer.n_words, max_seq_len=training.seq_len,
-                                **(model_overrides or {}))
+                                **{"vocab_size": tokenizer.n_words, "max_seq_len": training.seq_len,
+                                   **(model_overrides or {})})
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim)
@@ -140,6 +144,32 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if not checkpoint.load() and job_config.checkpoint.initial_load_path:
         checkpoint.load_initial_weights(mesh)
 
+    autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
+    loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype)
+
+    # Validation (its data checked now): the plain loss on held-out batches of one microbatch's
+    # shape, in its own graph.
+    validator = None
+    if job_config.validation.enable:
+        val_config = validation_config(job_config)
+        validator = build_validator(
+            job_config, model=model,
+            loss_fn=build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree,
+                                  autocast_dtype=autocast_dtype, plain=True),
+            make_loader=lambda: build_data_loader(
+                val_config, tokenizer,
+                batch_size=training.local_batch_size * parallel_dims.dp_degree // host_count,
+                host_rank=host_rank, host_count=host_count, infinite=False, drop_last=True,
+                device=device, input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None),
+                                                                     hosts=host_count)),
+            host_count=host_count)
+
+    # Evaluation after the last step: its task files are read and checked now.
+    eval_tasks = [parse_task(spec) for spec in job_config.eval.tasks] if job_config.eval.at_end else []
+    if eval_tasks and host_count > 1:
+        raise ConfigError("[eval] at_end = true runs on one host only; evaluate the saved checkpoint "
+                          "with python -m torchtitan_xla.eval")
+
     # Inputs are all checked by now: only from here on does the run write anything.
     dump_folder.mkdir(parents=True, exist_ok=True)
     (dump_folder / "config.toml").write_text(job_config.to_toml())
@@ -153,8 +183,6 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         tokens_per_step=global_batch * training.seq_len, num_devices=parallel_dims.world_size,
         dp_degree=parallel_dims.dp_degree, host_rank=host_rank, device=device,
         float8=job_config.float8.enable_float8_linear)
-    autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
-
     def microbatches(t: torch.Tensor) -> list[torch.Tensor]:
         """Split the step's batch for gradient accumulation so that every microbatch still spans
         all data-parallel ranks: [dp x accumulation x local, seq] -> accumulation x [dp x local, seq]."""
@@ -163,25 +191,22 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
         return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
 
-    def train_step(inputs: torch.Tensor, labels: torch.Tensor, lr: torch.Tensor):
+    def train_step(inputs: torch.Tensor, labels: torch.Tensor, lrs: torch.Tensor):
         optimizer.zero_grad(set_to_none=True)
         loss, rank_token_losses = 0.0, []
         for mb_inputs, mb_labels in zip(microbatches(inputs), microbatches(labels)):
-            with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast_dtype is not None):
-                logits = model(mb_inputs)
-            token_losses = F.cross_entropy(logits.flatten(0, 1).float(), mb_labels.flatten(0, 1),
-                                           reduction="none")
+            # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
+            token_losses = loss_fn(model, mb_inputs, mb_labels)
             mb_loss = token_losses.mean()
             (mb_loss / accumulation_steps).backward()
             loss = loss + mb_loss.detach() / accumulation_steps
-            # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
-            rank_token_losses.append(token_losses.detach().view(parallel_dims.dp_degree, -1))
+            rank_token_losses.append(token_losses.detach())
         if training.max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
         else:
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
-        step_with_lr(optimizer, lr)
+        step_with_lr(optimizer, lrs)
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), parallel_dims.dp_degree)
         return torch.stack([loss, grad_norm.detach(), max_loss])
@@ -210,15 +235,25 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             data_start = time.perf_counter()
             inputs, labels = next(data_iterator)
             metric_logger.add_data_wait(time.perf_counter() - data_start)
-            lr = lr_scheduler.get_last_lr()[0]
-            step_stats = compiled_step(inputs, labels, torch.tensor(lr, device=device))
+            # Every group's lr as one device tensor: the step reads it as data.
+            lrs = lr_scheduler.get_last_lr()
+            step_stats = compiled_step(inputs, labels, torch.tensor(lrs, device=device))
+            lr = lrs[0]
             lr_scheduler.step()
             compile_guard.check(step)
 
-            if step == first_step or step % job_config.metrics.log_freq == 0 or step == training.steps:
+            validating = validator is not None and validator.due(step)
+            if (step == first_step or step % job_config.metrics.log_freq == 0
+                    or step == training.steps or validating):
                 # The one host transfer per log step; it waits for this step to finish.
                 loss, grad_norm, max_loss = step_stats.tolist()
                 history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss))
+            if validating:
+                # Its graph compiles at its first two calls, and never again (the guard checks).
+                with compile_guard.allowed() if validator.warming_up else contextlib.nullcontext():
+                    result = validator.run()
+                metric_logger.log_validation(step, result)
+                history[-1].validation_loss = result.loss
 
             train_state.step = step
             # Agreed before the save decision, so that every host saves the same step or none.
@@ -234,6 +269,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     data_loader.close()
 
     checkpoint.close()
+    if eval_tasks and train_state.step == training.steps:
+        results = evaluate(model, tokenizer, job_config, eval_tasks, dp_degree=parallel_dims.dp_degree,
+                           device=device, sharding=runtime.input_sharding(mesh, (BATCH_AXES, None),
+                                                                        hosts=host_count),
+                           progress=host_rank == 0 and sys.stderr.isatty())
+        if host_rank == 0:
+            write_results(results, dump_folder / job_config.eval.output_file)
     if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:
         checkpoint.export_hf(train_state.step, tokenizer)
     if process_group is not None:

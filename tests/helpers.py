@@ -173,11 +173,14 @@ for name, args in json.loads(sys.argv[1]).items():
     params = {{}}
     for pname, p in model.named_parameters():
         ps = getattr(p, "_partition_spec", (None,) * p.dim())
-        state = opt.state[p]
+        # every optimizer state tensor of the parameter's shape, by name (exp_avg, momentum_buffer...)
+        state = {{k: spec(v) for k, v in opt.state[p].items()
+                  if isinstance(v, torch.Tensor) and v.shape == p.shape}}
         params[pname] = dict(partition_spec=[list(a) if isinstance(a, tuple) else a for a in ps],
-                             actual=spec(p), expected=expected(p.shape, ps),
-                             exp_avg=spec(state["exp_avg"]), exp_avg_sq=spec(state["exp_avg_sq"]))
+                             actual=spec(p), expected=expected(p.shape, ps), **state)
     results[name] = dict(losses={{s.step: s.loss for s in history}},
+                         validation={{s.step: s.validation_loss for s in history
+                                     if s.validation_loss is not None}},
                          compiles=compiles, params=params)
 print("RESULTS " + json.dumps(results))
 """
@@ -187,8 +190,8 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
                timeout: int = 900) -> dict:
     """Several train.main runs in one fresh process with `devices` devices (saves start-up time).
     For each: logged losses, compiles during the run, and for every parameter its partition spec,
-    the sharding XLA reports for it and for its Adam state, and the sharding a fresh tensor with
-    that partition spec gets."""
+    the sharding XLA reports for it and for its optimizer state of its shape (exp_avg, ...), and
+    the sharding a fresh tensor with that partition spec gets."""
     p = subprocess.run([sys.executable, "-c", _MULTI_DRIVER.format(repo=str(REPO)), json.dumps(runs),
                         json.dumps(model_overrides or {})],
                        capture_output=True, text=True, env=_env(devices, None), timeout=timeout)
@@ -198,4 +201,5 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
     results = json.loads(line[len("RESULTS "):])
     for r in results.values():
         r["losses"] = {int(k): v for k, v in r["losses"].items()}
+        r["validation"] = {int(k): v for k, v in r["validation"].items()}
     return results

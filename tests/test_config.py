@@ -110,6 +110,11 @@ BAD_CLI = [
     (["train.toml"], r"unexpected argument 'train.toml'"),
     (["--job.config_file", "/nonexistent/x.toml"], r"config file not found: /nonexistent/x.toml"),
     (["--parallelism.data_parallel_shard_degree", "0"], r"must be -1 \(all remaining devices\) or > 0"),
+    (["--optimizer.name", "SGD"],
+     r"command line: --optimizer.name: expected one of AdamW, Adam, Muon, Lion, Adafactor, got 'SGD'"),
+    (["--loss.chunk_size", "100", "--training.seq_len", "64"],
+     r"^command line: --loss.chunk_size = 100: must divide the tokens of one data-parallel rank per "
+     r"microbatch, local_batch_size x seq_len = 8 x 64 = 512$"),
 ]
 
 
@@ -126,6 +131,9 @@ def test_bad_command_line_is_one_clear_error(argv, message):
      "error: [model] tokenizer_path: file not found: /nonexistent/tok.model"),
     (["--training.dataset", "json", "--training.dataset_path", "/nonexistent/c4.json"],
      "error: [training] dataset_path: not found: /nonexistent/c4.json"),
+    (["--loss.chunk_size", "3000"],
+     "error: command line: --loss.chunk_size = 3000: must divide the tokens of one data-parallel "
+     "rank per microbatch, local_batch_size x seq_len = 8 x 2048 = 16384"),
 ])
 def test_train_py_reports_bad_input_in_one_line_with_exit_code_2(tmp_path, argv, message):
     dump = tmp_path / "out"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchtitan_xla import runtime
-from torchtitan_xla.errors import first_line
+from torchtitan_xla.errors import ConfigError, first_line
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.args import ModelArgs
 from torchtitan_xla.utils import host_memory_gib
@@ -37,9 +37,9 @@ def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: 
 def max_rank_loss(token_losses, dp_degree: int):
     """The largest of the data-parallel ranks' mean losses, inside the compiled step.
 
-    `token_losses` is (global batch, seq); the batch dimension is split into `dp_degree` contiguous
-    blocks, one per data-parallel rank (the batch sharding over ("dp_replicate", "fsdp")). Every
-    token counts, as in the training loss (which has no ignore_index).
+    `token_losses` is (global batch, seq) or (dp ranks, tokens); the batch dimension is split into
+    `dp_degree` contiguous blocks, one per data-parallel rank (the batch sharding over
+    ("dp_replicate", "fsdp")). Every token counts, as in the training loss.
     """
     return token_losses.reshape(dp_degree, -1).mean(1).max()
 
@@ -188,6 +188,7 @@ class StepStats:
     data_wait: float  # seconds per step spent waiting for the next batch
     memory: Memory
     eta_seconds: float
+    validation_loss: float | None = None  # when [validation] ran after this step
 
 
 def _eta(seconds: float) -> str:
@@ -203,7 +204,7 @@ class MetricLogger:
 
     def __init__(self, *, flops_per_token: int, tokens_per_step: int, num_devices: int,
                  color: bool, peak_flops: float | None = None, total_steps: int = 0,
-                 dp_degree: int = 1, tb_dir: Path | None = None, enabled: bool = True,
+                 dp_degree: int = 1, sinks: list | None = None, enabled: bool = True,
                  memory: MemoryMonitor | None = None):
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
@@ -214,13 +215,7 @@ class MetricLogger:
         self.enabled = enabled
         self.memory = memory or MemoryMonitor()
         self.colors = _Colors(color)
-        self.writer = None
-        if tb_dir is not None and enabled:
-            from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
-
-            tb_dir.mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=str(tb_dir))
-            logger.info(f"TensorBoard: writing to {tb_dir}")
+        self.sinks = list(sinks or []) if enabled else []  # TensorBoard, W&B: the same scalars
         self._last_step = 0
         self._last_time = time.perf_counter()
         self._data_wait = 0.0
@@ -250,9 +245,25 @@ class MetricLogger:
                           eta_seconds=eta)
         if self.enabled:
             self._print(stats)
-            if self.writer is not None:
-                self._write(stats)
+            self._write(stats)
         return stats
+
+    def log_validation(self, step: int, result) -> None:
+        """The validation line and scalars; its time is left out of the next step time."""
+        self._last_time += result.seconds
+        if not self.enabled:
+            return
+        c = self.colors
+        logger.info(f"{c.cyan}validation: step {step:>5}  {c.green}loss: {result.loss:8.4f}  "
+                    f"perplexity: {result.perplexity:,.2f}{c.reset}  ({result.batches} batches, "
+                    f"{result.tokens:,} tokens, {result.seconds:.1f}s)")
+        self._emit({"loss_metrics/validation_loss": result.loss,
+                    "loss_metrics/validation_perplexity": result.perplexity,
+                    "time_metrics/validation(s)": result.seconds}, step)
+
+    def _emit(self, scalars: dict[str, float], step: int) -> None:
+        for sink in self.sinks:
+            sink.write(scalars, step)
 
     def _print(self, s: StepStats) -> None:
         c = self.colors
@@ -287,14 +298,54 @@ class MetricLogger:
         }
         if s.mfu is not None:  # no made-up number when the peak is unknown
             scalars["mfu(%)"] = s.mfu
+        self._emit(scalars, s.step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+class TensorBoardSink:
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=str(folder))
+        logger.info(f"TensorBoard: writing to {folder}")
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, s.step)
+            self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # a TensorBoard watching the run sees each log step at once
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self.writer.close()
+
+
+class WandbSink:
+    """Weights & Biases: the same scalars as TensorBoard, into a run under <dump_folder>/wandb
+    (offline mode writes only there; `wandb sync` uploads it later)."""
+
+    def __init__(self, job_config: JobConfig, name_suffix: str = ""):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("[metrics] enable_wandb = true: the wandb package is not installed "
+                              "(pip install 'torchtitan_xla[wandb]')") from None
+        m = job_config.metrics
+        folder = Path(job_config.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=m.wandb_project, name=(m.wandb_run_name or None) and
+                              m.wandb_run_name + name_suffix, mode=m.wandb_mode, dir=str(folder),
+                              config=job_config.to_dict())
+        logger.info(f"W&B ({m.wandb_mode}): writing to {self.run.dir}")
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def build_metric_logger(job_config: JobConfig, *, flops_per_token: int, tokens_per_step: int,
@@ -303,13 +354,16 @@ def build_metric_logger(job_config: JobConfig, *, flops_per_token: int, tokens_p
     """The run's MetricLogger: which host logs, where TensorBoard writes, which peak MFU uses."""
     metrics = job_config.metrics
     enabled = host_rank == 0 or not metrics.rank_0_only
-    tb_dir = None
-    if metrics.enable_tensorboard:
+    sinks = []
+    if enabled and metrics.enable_tensorboard:
         # One folder per launch, as torchtitan does: TensorBoard shows each launch as a run.
         tb_dir = (Path(job_config.job.dump_folder) / metrics.save_tb_folder
                   / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         if not metrics.rank_0_only:
             tb_dir = tb_dir / f"rank_{host_rank}"
+        sinks.append(TensorBoardSink(tb_dir))
+    if enabled and metrics.enable_wandb:
+        sinks.append(WandbSink(job_config, "" if metrics.rank_0_only else f"-rank{host_rank}"))
     device_kind = detect_device_kind()
     peak, source = resolve_peak_flops(device_kind, metrics.peak_flops, float8=float8)
     if enabled:
@@ -320,4 +374,4 @@ def build_metric_logger(job_config: JobConfig, *, flops_per_token: int, tokens_p
     return MetricLogger(
         flops_per_token=flops_per_token, tokens_per_step=tokens_per_step, num_devices=num_devices,
         color=metrics.enable_color_printing, peak_flops=peak, total_steps=job_config.training.steps,
-        dp_degree=dp_degree, tb_dir=tb_dir, enabled=enabled, memory=MemoryMonitor(device))
+        dp_degree=dp_degree, sinks=sinks, enabled=enabled, memory=MemoryMonitor(device))

@@ -34,6 +34,25 @@ def model_args_from_json(text: str) -> ModelArgs:
     return ModelArgs(**d)
 
 
+def model_args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs computing what `LlamaForCausalLM` with this config computes."""
+    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim", dim // heads) != dim // heads:
+        raise ConfigError("config.json: head_dim != hidden_size / num_attention_heads is not supported")
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_scaling = None
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        rope_scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+                                   scaling["original_max_position_embeddings"])
+    theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    # The FFN size is given directly; pick multiple_of so that ModelArgs reproduces it exactly.
+    return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
+                     n_kv_heads=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
+                     multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=None,
+                     norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=rope_scaling,
+                     max_seq_len=cfg.get("max_position_embeddings", 2048))
+
+
 # ---- files ------------------------------------------------------------------------------------
 
 

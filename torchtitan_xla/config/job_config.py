@@ -51,12 +51,29 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer.")
-    lr: float = opt(8e-4, "Peak learning rate.", gt=0)
-    beta1: float = opt(0.9, "Adam beta1.", ge=0, le=1)
-    beta2: float = opt(0.95, "Adam beta2.", ge=0, le=1)
+    name: Literal["AdamW", "Adam", "Muon", "Lion", "Adafactor"] = opt(
+        "AdamW", "Optimizer: AdamW, Adam; Muon (orthogonalised momentum for the 2-D hidden weights, "
+        "AdamW for the rest); Lion; Adafactor (torch's definition). docs/optimizers.md.")
+    lr: float = opt(8e-4, "Peak learning rate (Adafactor: the cap on its relative step size).", gt=0)
+    beta1: float = opt(0.9, "Adam / Lion beta1 (Muon's AdamW group too).", ge=0, le=1)
+    beta2: float = opt(0.95, "Adam / Lion beta2 (Muon's AdamW group too).", ge=0, le=1)
     eps: float = opt(1e-8, "Adam epsilon.", gt=0)
-    weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam).", ge=0)
+    weight_decay: float = opt(
+        0.1, "Decoupled weight decay (AdamW, Muon, Lion, Adafactor) or L2 penalty (Adam).", ge=0)
+    muon_lr: float | None = opt(
+        None, "Muon: peak lr of the orthogonalised group; unset: lr (with muon_adjust_lr = "
+        "match_rms_adamw the AdamW lr carries over).", gt=0)
+    muon_momentum: float = opt(0.95, "Muon: Nesterov momentum.", ge=0, le=1)
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations.", gt=0)
+    muon_ns_dtype: Literal["bfloat16", "float32"] = opt(
+        "bfloat16", "Muon: dtype of the Newton-Schulz iteration.")
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = opt(
+        "match_rms_adamw", "Muon: lr scale per matrix: 0.2 sqrt(max(rows, cols)) (Moonshot: the "
+        "update's RMS matches AdamW's) or sqrt(max(1, rows / cols)) (Keller Jordan's).")
+    adafactor_beta2_decay: float = opt(
+        -0.8, "Adafactor: the second moment's decay, 1 - t^beta2_decay at step t.", le=0)
+    adafactor_clip_threshold: float = opt(
+        1.0, "Adafactor: updates are clipped to this RMS (d).", ge=1)
 
 
 @dataclass
@@ -101,6 +118,50 @@ class Training:
     mixed_precision_param: Literal["float32", "bfloat16"] = opt(
         "bfloat16", "Compute dtype (autocast); parameters and optimizer state stay float32.")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps.", gt=0)
+
+
+@dataclass
+class Loss:
+    label_smoothing: float = opt(
+        0.0, "Label smoothing eps: the target is (1 - eps) on the label plus eps spread evenly over "
+        "the vocabulary (as F.cross_entropy).", ge=0, le=1)
+    z_loss_weight: float = opt(
+        0.0, "Weight of PaLM's z-loss, weight x logsumexp(logits)^2 per token (1e-4 in PaLM).", ge=0)
+    chunk_size: int = opt(
+        0, "0: the loss on full [tokens, vocab] logits. N: the output projection and the loss run "
+        "over N tokens of every data-parallel rank at a time, forward and backward, so the full "
+        "logits never exist (must divide local_batch_size x seq_len).", ge=0)
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Compute the loss on held-out data during training (docs/evaluation.md).")
+    freq: int = opt(500, "Validate after every this many training steps.", gt=0)
+    steps: int = opt(
+        10, "Batches per validation (each of local_batch_size x data-parallel degree sequences); "
+        "-1: the whole split (its last partial batch left out), one host only.", ge=-1)
+    dataset: Literal["", "python_docs", "c4", "json", "parquet", "text", "hf", "synthetic"] = opt(
+        "", "Dataset to validate on; empty: training.dataset.")
+    dataset_path: str = opt(
+        "", "Its file, folder or glob; empty: training.dataset_path when the dataset is training's, "
+        "else the registry default.")
+    dataset_split: str = opt(
+        "validation", "Split to read (python_docs: every tenth topic, never trained on; c4: the "
+        "c4-validation.* files).")
+
+
+@dataclass
+class Eval:
+    tasks: list[str] = opt(
+        [], "Zero-shot tasks from local files, each kind:path with kind perplexity, lambada or "
+        "multiple_choice (docs/evaluation.md).")
+    checkpoint: str = opt(
+        "", "python -m torchtitan_xla.eval: the weights, a checkpoint step folder or a HuggingFace "
+        "folder; empty: the newest checkpoint in [checkpoint] folder.")
+    batch_size: int = opt(8, "Sequences per scoring batch (a multiple of the data-parallel degree).", gt=0)
+    output_file: str = opt(
+        "eval_results.json", "Scores and per-request log-likelihoods (JSON), inside dump_folder.")
+    at_end: bool = opt(False, "train.py: evaluate the tasks after the last step.")
 
 
 @dataclass
@@ -195,6 +256,14 @@ class Metrics:
     enable_color_printing: bool = opt(True, "Colour the console line (only when printing to a terminal).")
     enable_tensorboard: bool = opt(False, "Write TensorBoard event files.")
     save_tb_folder: str = opt("tb", "TensorBoard folder, inside dump_folder.")
+    enable_wandb: bool = opt(
+        False, "Also log the scalars to Weights & Biases, into <dump_folder>/wandb (needs the "
+        "wandb package: pip install 'torchtitan_xla[wandb]').")
+    wandb_project: str = opt("torchtitan_xla", "W&B project.")
+    wandb_run_name: str = opt("", "W&B run name; empty: W&B picks one.")
+    wandb_mode: Literal["online", "offline"] = opt(
+        "online", "online: send as the run goes (credentials as W&B reads them: WANDB_API_KEY or "
+        "`wandb login`); offline: only write the run folder (`wandb sync` uploads it later).")
     rank_0_only: bool = opt(
         True, "On multi-host runs, only host 0 prints the step line and writes TensorBoard; "
         "false: every host does, each into <save_tb_folder>/<time>/rank_<host>.")
@@ -232,6 +301,9 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    loss: Loss = field(default_factory=Loss)
+    validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -296,6 +296,15 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
         raise ConfigError(
             f"{sources.describe('parallelism', 'data_parallel_shard_degree')} = "
             f"{p.data_parallel_shard_degree}: must be -1 (all remaining devices) or > 0")
+    t, chunk = cfg.training, cfg.loss.chunk_size
+    if chunk and (t.local_batch_size * t.seq_len) % chunk:
+        raise ConfigError(
+            f"{sources.describe('loss', 'chunk_size')} = {chunk}: must divide the tokens of one "
+            f"data-parallel rank per microbatch, local_batch_size x seq_len = "
+            f"{t.local_batch_size} x {t.seq_len} = {t.local_batch_size * t.seq_len}")
+    if cfg.validation.enable and cfg.validation.steps == 0:
+        raise ConfigError(f"{sources.describe('validation', 'steps')} = 0: must be -1 (the whole "
+                          f"split) or a number of batches > 0")
     prof = cfg.profiling
     if prof.profiler_active > prof.profile_freq:
         raise ConfigError(

@@ -13,7 +13,8 @@ DEFAULT_SEED = 0
 
 def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size: int,
                       host_rank: int = 0, host_count: int = 1, split: str | None = None,
-                      infinite: bool = True, device=None, input_sharding=None) -> DataLoader:
+                      infinite: bool = True, drop_last: bool = False, device=None,
+                      input_sharding=None) -> DataLoader:
     """This host's loader: `batch_size` packed sequences per step (the host's share of the
     global batch), read from this host's share of the dataset, resumable via state_dict().
 
@@ -37,7 +38,7 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
             shuffle_buffer=t.shuffle_buffer, seed=seed, infinite=infinite, name=t.dataset)
     workers = t.num_workers
     host_loader = StatefulDataLoader(
-        dataset, batch_size=batch_size, num_workers=workers,
+        dataset, batch_size=batch_size, num_workers=workers, drop_last=drop_last,
         multiprocessing_context=_worker_context() if workers else None,
         persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
     return DataLoader(host_loader, host_rank=host_rank, host_count=host_count, num_workers=workers,

@@ -22,8 +22,8 @@ import importlib
 
 _EXPORTS = {
     "device": ("init_spmd", "current_device", "device_type", "device_count", "process_index",
-               "process_count", "master_ip", "sync", "materialise", "wait", "to_device", "set_seed",
-               "rng_state", "set_rng_state", "compile_stats", "metrics_report", "memory_info",
+               "process_count", "master_ip", "sync", "materialise", "wait", "to_device", "to_host",
+               "set_seed", "rng_state", "set_rng_state", "compile_stats", "metrics_report", "memory_info",
                "tpu_accelerator_type", "slice_count", "start_trace", "stop_trace"),
     "process": ("configure", "TORCH_XLA_VERSION", "STEP_COMPILERS"),
     "sharding": ("build_mesh", "mark_sharding", "constraint", "input_sharding", "copy_sharding",

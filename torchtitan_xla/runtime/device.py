@@ -95,6 +95,13 @@ def to_device(tensors: list[torch.Tensor], dev: torch.device, sharding=None) -> 
     return xm.send_cpu_data_to_device(tensors, dev, sharding)
 
 
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors onto the host in one transfer (running what they wait for first)."""
+    import torch_xla
+
+    return torch_xla._XLAC._xla_get_cpu_tensors(list(tensors))
+
+
 def set_seed(seed: int) -> None:
     """Seed torch's host RNG and the device RNG."""
     import torch_xla.core.xla_model as xm

@@ -100,3 +100,20 @@ def scan_layers(layers: list[torch.nn.Module], carry: tuple, partition_fn: Calla
     from torch_xla.experimental.scan_layers import scan_layers as xla_scan_layers
 
     return xla_scan_layers(layers, carry, partition_fn=partition_fn, is_layer_pure=True)
+
+
+def scan(fn: Callable, init, xs):
+    """`carry, ys = fn(carry, x)` over the leading dimension of every tensor in `xs` (a tuple),
+    outside autograd; ys stacked. On XLA one while loop (torch_xla's scan): one iteration's
+    temporaries exist at a time, which an unrolled Python loop does not guarantee (XLA may merge
+    or reorder the iterations' matmuls). Elsewhere the same loop in Python."""
+    if any(t.device.type == "xla" for t in xs):
+        from torch_xla.experimental.scan import scan as xla_scan
+
+        return xla_scan(fn, init, xs)
+    ys = []
+    carry = init
+    for i in range(xs[0].shape[0]):
+        carry, y = fn(carry, tuple(t[i] for t in xs))
+        ys.append(y)
+    return carry, tuple(torch.stack(parts) for parts in zip(*ys))

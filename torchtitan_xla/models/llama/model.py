@@ -179,13 +179,18 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
+        return self.output(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [batch, seq] -> the final normalised hidden states [batch, seq, dim], what the
+        output layer projects (a chunked loss projects them itself: torchtitan_xla/losses.py)."""
         seqlen = tokens.shape[1]
         # Copies, not views of the buffers: with op-level selective activation checkpointing a
         # view left the buffer with a pending update after the step, which the replayed step's
         # donated buffers then broke (torch_xla 2.9, "buffer ... is deleted" at step 2).
         cos, sin = self.rope_cos[:seqlen].clone(), self.rope_sin[:seqlen].clone()
         h = self.layers(self.tok_embeddings(tokens), cos, sin)
-        return self.output(self.norm(h))
+        return self.norm(h)
 
     @torch.no_grad()
     def init_weights(self) -> None:

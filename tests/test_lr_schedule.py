@@ -1,4 +1,4 @@
-"""The learning-rate schedule and the optimizer state."""
+"""The learning-rate schedule: warmup-stable-decay and its special cases."""
 
 import math
 
@@ -53,22 +53,19 @@ def test_lr_factor_formula_points():
     assert lr_factor(2, decay_type="linear", **kw) == pytest.approx(1 / 4)
 
 
-def test_optimizer_state_exists_before_the_first_step(xla_device):
-    """State created up front (same shapes and dtypes as torch would create) so step 0 and every
-    later step trace the same graph."""
-    import torch
+def test_constant_after_warmup_is_decay_ratio_0():
+    f = factors(12, 3, "cosine", min_lr=0.1, decay_ratio=0.0)
+    assert f[:3] == pytest.approx([1 / 4, 2 / 4, 3 / 4])
+    assert f[3:] == [1.0] * 9
 
-    from torchtitan_xla.optimizer import build_optimizer
 
-    model = torch.nn.Linear(4, 3).to(xla_device)
-    opt = build_optimizer(model, parse_args([]))
-    state = opt.state[model.weight]
-    # capturable: the step count lives on the device, so the step's graph reads it as data.
-    assert state["step"].device.type == "xla" and state["step"].item() == 0.0
-    assert state["exp_avg"].shape == (3, 4) and state["exp_avg"].device.type == "xla"
-    assert torch.count_nonzero(state["exp_avg_sq"].cpu()) == 0
-    model.weight.grad = torch.ones_like(model.weight)
-    model.bias.grad = torch.ones_like(model.bias)
-    opt.step()
-    assert state["step"].item() == 1.0  # torch used our state rather than making its own
-    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+def test_cosine_with_warmup_is_the_cosine_decay_over_every_step_after_warmup():
+    """decay_type = cosine, decay_ratio unset: warmup, then half a cosine down to min_lr_factor
+    (offset by one step at each end so that the lr is never exactly 0 or repeated)."""
+    steps, warmup, floor = 20, 4, 0.1
+    f = factors(steps, warmup, "cosine", min_lr=floor)
+    assert f[:warmup] == pytest.approx([(s + 1) / (warmup + 1) for s in range(warmup)])
+    decay = steps - warmup
+    assert f[warmup:] == pytest.approx(
+        [floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (k + 1) / (decay + 1))) for k in range(decay)],
+        rel=1e-12)

@@ -1,0 +1,197 @@
+"""Zero-shot evaluation (`python -m torchtitan_xla.eval`) against lm-evaluation-harness on the same
+exported model and the same local files: identical choices, equal log-likelihoods. The model is
+the checkpoint tests' shared run (conftest.py's `straight`), exported to HF at step 6."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import REPO, _env, tiny_args
+
+SENTENCES = [
+    "The interpreter reads the source file and compiles it to bytecode",
+    "A list comprehension builds a new list from an iterable in one expression",
+    "Exceptions propagate up the call stack until a handler catches them",
+    "The garbage collector frees objects that are no longer referenced",
+    "Keyword arguments make a call easier to read than positional ones",
+]
+MULTIPLE_CHOICE = [
+    {"context": "Question: which keyword defines a function in Python?\nAnswer:",
+     "choices": ["def", "function", "lambda expression"], "label": 0},
+    {"context": "Question: what does len() return for an empty list?\nAnswer:",
+     "choices": ["zero", "None", "an error"], "label": 0},
+    {"context": "A dictionary maps keys to", "choices": ["values", "lists of modules", "bytes"], "label": 0},
+    {"context": "Strings in Python are", "choices": ["immutable", "mutable arrays of characters"], "label": 1},
+]
+
+
+def _lines(docs):
+    return "".join(json.dumps(d) + "\n" for d in docs)
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tasks")
+    files = {"multiple_choice": folder / "mc.jsonl", "lambada": folder / "lambada.jsonl",
+             "perplexity": folder / "ppl.jsonl"}
+    files["multiple_choice"].write_text(_lines(MULTIPLE_CHOICE))
+    files["lambada"].write_text(_lines({"text": s} for s in SENTENCES))
+    # The last document is longer than seq_len (64) tokens: it is scored in several windows.
+    files["perplexity"].write_text(_lines([{"text": SENTENCES[0]}, {"text": ". ".join(SENTENCES * 3)}]))
+    return files
+
+
+def _ours(tmp_path, devices: int, checkpoint, task_files, *extra):
+    tasks = ",".join(f"{kind}:{path}" for kind, path in task_files.items())
+    args = [*tiny_args(tmp_path), "--eval.checkpoint", str(checkpoint), "--eval.tasks", tasks,
+            "--eval.batch_size", "4", *extra]
+    p = subprocess.run([sys.executable, "-m", "torchtitan_xla.eval", *args], capture_output=True,
+                       text=True, env=_env(devices, None), cwd=REPO, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((tmp_path / "eval_results.json").read_text()), p.stderr
+
+
+def _lm_eval(hf_dir, task_files, tmp_path):
+    """lm-eval's HF model on the exported folder, float32, max_length 64 as our seq_len; the pairs
+    with the tokenizer's BOS (its default), the rolling perplexity without (add_bos_token=False:
+    lm-eval's rolling windows prefix BOS themselves)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    source = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
+    yamls = {
+        "tx_mc": source.format(path=task_files["multiple_choice"]) + textwrap.dedent("""\
+            output_type: multiple_choice
+            doc_to_text: "{{context}}"
+            doc_to_choice: choices
+            doc_to_target: label
+            metric_list: [{metric: acc}, {metric: acc_norm}]
+            """),
+        "tx_lambada": source.format(path=task_files["lambada"]) + textwrap.dedent("""\
+            output_type: loglikelihood
+            doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
+            doc_to_target: "{{' '+text.split(' ')[-1]}}"
+            target_delimiter: ""
+            metric_list:
+              - {metric: perplexity, aggregation: perplexity, higher_is_better: false}
+              - {metric: acc, aggregation: mean, higher_is_better: true}
+            """),
+        "tx_ppl": source.format(path=task_files["perplexity"]) + textwrap.dedent("""\
+            output_type: loglikelihood_rolling
+            doc_to_text: ""
+            doc_to_target: "{{text}}"
+            metric_list: [{metric: word_perplexity}, {metric: byte_perplexity}, {metric: bits_per_byte}]
+            """),
+    }
+    for name, body in yamls.items():
+        (tmp_path / f"{name}.yaml").write_text(f"task: {name}\n{body}")
+    manager = TaskManager(include_path=str(tmp_path))
+    out = {}
+    for tasks, bos in ((["tx_mc", "tx_lambada"], None), (["tx_ppl"], False)):
+        lm = HFLM(pretrained=str(hf_dir), dtype="float32", max_length=64, batch_size=4, device="cpu",
+                  add_bos_token=bos)
+        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=0,
+                                      log_samples=True)
+        for task in tasks:
+            samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
+            out[task] = (res["results"][task], [s["filtered_resps"] for s in samples])
+    return out
+
+
+@pytest.fixture(scope="module")
+def both(straight, task_files, tmp_path_factory):
+    folder, _, _ = straight
+    hf_dir = folder / "checkpoint" / "step-6-hf"
+    ours, log = _ours(tmp_path_factory.mktemp("ours"), 1, hf_dir, task_files)
+    reference = _lm_eval(hf_dir, task_files, tmp_path_factory.mktemp("lm_eval"))
+    return ours, log, reference
+
+
+def test_multiple_choice_and_lambada_equal_lm_eval(both):
+    ours, _, reference = both
+    mc_metrics, mc_samples = reference["tx_mc"]
+    ours_mc = ours["samples"]["multiple_choice:mc.jsonl"]
+    reference_lls = [float(ll) for doc in mc_samples for ll, _ in doc]
+    assert len(ours_mc) == len(reference_lls) == sum(len(d["choices"]) for d in MULTIPLE_CHOICE)
+    for (ll, _), want in zip(ours_mc, reference_lls):  # float32 on XLA against float32 in torch
+        assert ll == pytest.approx(want, rel=1e-4, abs=1e-4)
+    for metric in ("acc", "acc_norm"):  # identical choices
+        assert ours["results"]["multiple_choice:mc.jsonl"][metric] == mc_metrics[f"{metric},none"]
+    lambada_metrics, lambada_samples = reference["tx_lambada"]
+    ours_lambada = ours["samples"]["lambada:lambada.jsonl"]
+    for (ll, greedy), (want,) in zip(ours_lambada, lambada_samples, strict=True):
+        assert ll == pytest.approx(float(want[0]), rel=1e-4, abs=1e-4)
+        assert greedy == bool(want[1])
+    results = ours["results"]["lambada:lambada.jsonl"]
+    assert results["acc"] == lambada_metrics["acc,none"]
+    assert results["perplexity"] == pytest.approx(lambada_metrics["perplexity,none"], rel=1e-4)
+
+
+def test_rolling_perplexity_equals_lm_eval(both):
+    ours, _, reference = both
+    ppl_metrics, ppl_samples = reference["tx_ppl"]
+    ours_ppl = ours["samples"]["perplexity:ppl.jsonl"]
+    for (ll, _), want in zip(ours_ppl, ppl_samples, strict=True):
+        assert ll == pytest.approx(float(want[0]), rel=1e-4)
+    results = ours["results"]["perplexity:ppl.jsonl"]
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert results[metric] == pytest.approx(ppl_metrics[f"{metric},none"], rel=1e-4), metric
+
+
+def test_console_table_and_the_checkpoint_on_fsdp4_tp2_give_the_same_scores(both, straight, task_files, tmp_path):
+    ours, log, _ = both
+    assert "multiple_choice:mc.jsonl" in log and "acc_norm" in log
+    folder, _, _ = straight
+    sharded, _ = _ours(tmp_path, 8, folder / "checkpoint" / "step-6", task_files,
+                       "--parallelism.tensor_parallel_degree", "2")
+    assert sharded["results"].keys() == ours["results"].keys()
+    for task, samples in ours["samples"].items():
+        for (ll, greedy), (ll8, greedy8) in zip(samples, sharded["samples"][task], strict=True):
+            assert ll8 == pytest.approx(ll, rel=1e-5, abs=1e-5) and greedy8 == greedy, task
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"context": "a", "choices": ["x", "y"], "label": 0}\nnot json\n', r"mc.jsonl:2: not a JSON object"),
+    ('{"context": "a", "choices": ["x", "y"], "label": 2}\n', r"mc.jsonl:1: expected \"label\""),
+    ('{"context": "a", "choices": ["x"], "label": 0}\n', r"mc.jsonl:1: expected \"choices\""),
+])
+def test_malformed_task_line_is_one_line_with_file_and_line(tmp_path, content, message):
+    from torchtitan_xla.errors import ConfigError
+    from torchtitan_xla.eval import parse_task
+
+    (tmp_path / "mc.jsonl").write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        parse_task(f"multiple_choice:{tmp_path / 'mc.jsonl'}")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval.tasks", "multiple_choice:/nonexistent/mc.jsonl"], r"error: \[eval\] tasks: .*no such file /nonexistent/mc.jsonl"),
+    (["--eval.tasks", "trivia:x.jsonl"], r"error: \[eval\] tasks: 'trivia:x.jsonl': expected kind:path"),
+    (["--eval.checkpoint", "/nonexistent/step-9"], r"error: \[eval\] checkpoint: /nonexistent/step-9: no such folder"),
+])
+def test_bad_eval_input_is_one_line_exit_2(tmp_path, task_files, flags, message):
+    args = [*tiny_args(tmp_path), "--eval.tasks", f"lambada:{task_files['lambada']}",
+            "--eval.checkpoint", str(tmp_path), *flags]
+    p = subprocess.run([sys.executable, "-m", "torchtitan_xla.eval", *args], capture_output=True,
+                       text=True, env=_env(1, None), cwd=REPO, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and __import__("re").match(message, lines[0]), p.stderr[-2000:]
+
+
+def test_evaluation_at_the_end_of_training_equals_the_cli_on_its_export(tmp_path, task_files):
+    from checkpoint_helpers import TWO_BLOCKS
+    from helpers import train_run
+
+    tasks = ",".join(f"{kind}:{path}" for kind, path in task_files.items())
+    train_run(tiny_args(tmp_path / "run", "--training.steps", "3", "--eval.at_end", "--eval.tasks", tasks,
+                        "--eval.batch_size", "4", "--checkpoint.last_save_in_hf"), model_overrides=TWO_BLOCKS)
+    at_end = json.loads((tmp_path / "run" / "eval_results.json").read_text())
+    cli, _ = _ours(tmp_path / "cli", 1, tmp_path / "run" / "checkpoint" / "step-3-hf", task_files)
+    assert at_end["results"].keys() == cli["results"].keys()
+    for task, samples in cli["samples"].items():
+        for (ll, greedy), (ll_end, greedy_end) in zip(samples, at_end["samples"][task], strict=True):
+            assert ll_end == pytest.approx(ll, rel=1e-6, abs=1e-6) and greedy_end == greedy, task

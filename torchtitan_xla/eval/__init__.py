@@ -1,0 +1,57 @@
+"""Zero-shot evaluation (`[eval]`): tasks from local files (tasks.py) scored by the model's
+log-likelihoods (scorer.py), from `python -m torchtitan_xla.eval` on a checkpoint or HF folder,
+or by train.py after its last step (`at_end`). docs/evaluation.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from torchtitan_xla.config import JobConfig
+from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.eval.scorer import Scorer, pair_tokens, rolling_windows
+from torchtitan_xla.eval.tasks import Task, metrics, parse_task, requests
+from torchtitan_xla.logging import logger
+
+__all__ = ["Task", "evaluate", "parse_task", "write_results"]
+
+
+def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: list[Task], *,
+             dp_degree: int, device, sharding, progress: bool = True) -> dict:
+    """{"results": {task: {metric: value}}, "samples": {task: [[log-likelihood, greedy], ...]}}."""
+    e, seq_len = job_config.eval, job_config.training.seq_len
+    if e.batch_size % dp_degree:
+        raise ConfigError(f"[eval] batch_size = {e.batch_size}: must be a multiple of the "
+                          f"data-parallel degree ({dp_degree})")
+    scorer = Scorer(model, seq_len=seq_len, batch_size=e.batch_size, device=device, sharding=sharding,
+                    step_compiler=job_config.compile.step, progress=progress)
+    out = {"results": {}, "samples": {}}
+    for task in tasks:
+        if task.kind == "perplexity":
+            documents = [tokenizer.encode(text, bos=False, eos=False) for _, text in requests(task)]
+            windows = [rolling_windows(tokens, tokenizer.bos_id, seq_len) for tokens in documents]
+            scored = iter(scorer([w for doc in windows for w in doc], desc=task.name))
+            results = []
+            for tokens, doc in zip(documents, windows):
+                parts = [next(scored) for _ in doc]
+                results.append((sum(p[0] for p in parts), all(p[1] for p in parts), len(tokens)))
+        else:
+            pairs = [pair_tokens(tokenizer, c, x) for c, x in requests(task)]
+            results = [(ll, greedy, n) for (ll, greedy), (_, n) in zip(scorer(pairs, desc=task.name), pairs)]
+        out["results"][task.name] = metrics(task, results)
+        out["samples"][task.name] = [[ll, greedy] for ll, greedy, _ in results]
+    return out
+
+
+def write_results(out: dict, path: Path) -> None:
+    """The table on the console, everything in `path` (JSON)."""
+    rows = [(task, name, value) for task, ms in out["results"].items() for name, value in ms.items()]
+    width = max(len(t) for t, _, _ in rows)
+    lines = [f"{'task':<{width}}  {'metric':<16} value"]
+    lines += [f"{t:<{width}}  {n:<16} {v:.4f}" for t, n, v in rows]
+    logger.info("Evaluation:\n" + "\n".join(lines))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    logger.info(f"Evaluation results written to {path}")

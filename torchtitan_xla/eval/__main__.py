@@ -1,0 +1,107 @@
+"""Evaluate a checkpoint on zero-shot tasks, on the mesh of the config:
+
+    python -m torchtitan_xla.eval --job.config_file train_configs/debug_model.toml \\
+        --eval.checkpoint outputs/checkpoint/step-100 \\
+        --eval.tasks multiple_choice:boolq.jsonl,lambada:lambada.jsonl,perplexity:wiki.txt
+
+The model's shape comes from the weights (the checkpoint's model_args.json or the HF config.json);
+the config gives the tokenizer, seq_len, the mesh and [eval]. Results: a table on the console and
+<dump_folder>/<eval.output_file>.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.errors import ConfigError, run_main
+
+
+def _weights(job_config: JobConfig) -> tuple[Path, bool]:
+    """(the folder to load, whether it is a HuggingFace folder), checked before XLA starts."""
+    from torchtitan_xla.checkpoint import commit
+
+    given = job_config.eval.checkpoint
+    if not given:
+        folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
+        steps = commit.committed_steps(folder) if folder.is_dir() else []
+        if not steps:
+            raise ConfigError(f"[eval] checkpoint: empty and no committed checkpoint in {folder}")
+        return commit.step_folder(folder, steps[-1]), False
+    path = Path(given)
+    if not path.is_dir():
+        raise ConfigError(f"[eval] checkpoint: {path}: no such folder")
+    if (path / "config.json").is_file():
+        return path, True
+    try:
+        commit.verify(path)
+    except commit.DamagedCheckpoint as e:
+        raise ConfigError(f"[eval] checkpoint: {path}: neither a HuggingFace folder (no config.json) "
+                          f"nor a usable checkpoint step ({e})") from None
+    return path, False
+
+
+def main(job_config: JobConfig) -> dict:
+    from torchtitan_xla import runtime
+
+    runtime.configure(job_config.compile.step)
+
+    import torch
+
+    from torchtitan_xla.checkpoint.commit import read_model_state
+    from torchtitan_xla.checkpoint.hf import load_hf_into_model, load_into_model, model_args_from_hf_config
+    from torchtitan_xla.datasets import build_tokenizer, check_vocab_size
+    from torchtitan_xla.eval import evaluate, parse_task, write_results
+    from torchtitan_xla.logging import init_logger, logger
+    from torchtitan_xla.models import get_model_class
+    from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.utils import check_writable
+
+    init_logger()
+    tasks = [parse_task(spec) for spec in job_config.eval.tasks]
+    if not tasks:
+        raise ConfigError("[eval] tasks: none given; e.g. --eval.tasks multiple_choice:boolq.jsonl")
+    path, is_hf = _weights(job_config)
+    out_file = Path(job_config.job.dump_folder) / job_config.eval.output_file
+    check_writable(out_file.parent, "[job] dump_folder")
+    if is_hf:
+        model_args = model_args_from_hf_config(json.loads((path / "config.json").read_text()))
+        state = None
+    else:
+        state, model_args = read_model_state(path)
+    model_args = dataclasses.replace(model_args, max_seq_len=job_config.training.seq_len)
+
+    device = runtime.init_spmd()
+    parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
+    mesh = parallel_dims.build_mesh(runtime.device_type())
+    tokenizer = build_tokenizer(job_config.model.tokenizer_path)
+    check_vocab_size(tokenizer, model_args.vocab_size)
+    parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
+                              model_args.ffn_hidden_dim)
+    with torch.device("meta"):
+        model = get_model_class(job_config.model.name)(model_args)
+    model.to_empty(device=device)
+    parallelize_llama(model, mesh, parallel_dims, job_config)
+    model.init_weights()
+    if is_hf:
+        load_hf_into_model(model, model_args, path, mesh)
+    else:
+        load_into_model(model, state, mesh, source=f"[eval] checkpoint {path}")
+    model.eval()
+    logger.info(f"Evaluating {path} ({model.num_params():,} parameters) on {len(tasks)} task(s)")
+    out = evaluate(model, tokenizer, job_config, tasks, dp_degree=parallel_dims.dp_degree, device=device,
+                   sharding=runtime.input_sharding(mesh, (BATCH_AXES, None)),
+                   progress=sys.stderr.isatty())
+    write_results(out, out_file)
+    return out
+
+
+def cli() -> None:
+    main(parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(cli))

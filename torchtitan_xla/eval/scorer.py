@@ -1,0 +1,85 @@
+"""Log-likelihoods of text continuations under the model, in one compiled graph of fixed shape
+[batch_size, seq_len] (the last batch is padded), tokenised as lm-evaluation-harness does:
+
+- a (context, continuation) pair: trailing spaces of the context move to the continuation, the
+  pair is encoded whole with BOS and the continuation is what follows the context's own encoding
+  (lm-eval's HF model with a tokenizer that adds BOS, as Llama's do); sequences longer than
+  seq_len + 1 tokens lose their left end;
+- a document (perplexity): encoded without BOS, scored in disjoint windows of seq_len tokens,
+  each conditioned on BOS or on the previous seq_len tokens (lm-eval's loglikelihood_rolling with
+  add_bos_token=False).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan_xla import runtime
+
+
+def pair_tokens(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
+    """(the tokens of BOS + context + continuation, how many at the end are the continuation)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, bos=True, eos=False)
+    n_context = len(tokenizer.encode(context, bos=True, eos=False))
+    return whole, len(whole) - n_context
+
+
+def rolling_windows(tokens: list[int], bos: int, seq_len: int) -> list[tuple[list[int], int]]:
+    """A document's tokens as (sequence of at most seq_len + 1 tokens, number scored at its end),
+    every token scored exactly once."""
+    windows, done = [], 0
+    while done < len(tokens):
+        end = min(done + seq_len, len(tokens))
+        start = end - seq_len - 1  # the window predicts tokens[done:end] from what precedes them
+        sequence = [bos] + tokens[:end] if start < 0 else tokens[start:end]
+        windows.append((sequence, end - done))
+        done = end
+    return windows
+
+
+class Scorer:
+    """`scorer(sequences)` -> [(sum of log p of the scored tokens, all of them greedy), ...] for
+    sequences given as (tokens, number of tokens scored at the end)."""
+
+    def __init__(self, model: torch.nn.Module, *, seq_len: int, batch_size: int, device, sharding,
+                 step_compiler: str, progress: bool = True):
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.device, self.sharding, self.progress = device, sharding, progress
+
+        @torch.no_grad()
+        def score(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = model(inputs).float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            greedy = (logits.argmax(dim=-1) == targets).to(logp.dtype)
+            return torch.stack([logp, greedy])
+
+        state = [*model.parameters(), *model.buffers()]
+        self.step = runtime.build_step(step_compiler, score, state, name="score_step")
+
+    def __call__(self, sequences: list[tuple[list[int], int]], desc: str = "") -> list[tuple[float, bool]]:
+        from tqdm import tqdm
+
+        results = []
+        starts = range(0, len(sequences), self.batch_size)
+        for start in tqdm(starts, desc=desc, disable=not self.progress, leave=False):
+            batch = [self._truncate(*s) for s in sequences[start:start + self.batch_size]]
+            inputs = torch.zeros(self.batch_size, self.seq_len, dtype=torch.long)
+            targets = torch.zeros_like(inputs)
+            for row, (tokens, _) in enumerate(batch):  # rows past the batch stay padding
+                inputs[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+                targets[row, :len(tokens) - 1] = torch.tensor(tokens[1:])
+            logp, greedy = runtime.to_host([self.step(*runtime.to_device([inputs, targets], self.device,
+                                                                           self.sharding))])[0]
+            for row, (tokens, n) in enumerate(batch):
+                end = len(tokens) - 1  # scored targets: the n before `end`
+                results.append((logp[row, end - n:end].double().sum().item(),
+                                bool(greedy[row, end - n:end].all())))
+        return results
+
+    def _truncate(self, tokens: list[int], n: int) -> tuple[list[int], int]:
+        if n > self.seq_len:
+            raise ValueError(f"a continuation of {n} tokens does not fit seq_len {self.seq_len}")
+        return tokens[-(self.seq_len + 1):], n

@@ -1,0 +1,103 @@
+"""The optimizer (`[optimizer] name`) and the learning-rate schedule (schedule.py).
+
+AdamW and Adam are torch's own; Muon, Lion and Adafactor are written here (muon.py, lion.py,
+adafactor.py) because torch's Muon and Adafactor read Python numbers per step (`.item()`, a Python
+lr) and Lion is not in torch. Each is tested against its reference (torch.optim.Muon /
+torch.optim.Adafactor, the lion-pytorch package) in float64.
+
+Every optimizer here runs inside the replayed step (runtime/step.py): its state exists before the
+first step (`init_state`, so step 1 traces the same graph as step 2 and a checkpoint loads into
+it in place), its step count lives on the device, and the learning rate arrives as a device
+tensor (`step_with_lr`), never as a Python number that changes per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan_xla import runtime
+from torchtitan_xla.config import JobConfig
+from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.optimizer.adafactor import Adafactor
+from torchtitan_xla.optimizer.lion import Lion
+from torchtitan_xla.optimizer.muon import Muon, muon_param_groups
+from torchtitan_xla.optimizer.schedule import build_lr_scheduler, lr_factor
+
+__all__ = ["Adafactor", "Lion", "Muon", "build_lr_scheduler", "build_optimizer", "lr_factor",
+           "optimizer_state_tensors", "step_with_lr"]
+
+
+def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.optim.Optimizer:
+    """The optimizer `[optimizer] name` names, over every parameter, its state created."""
+    cfg = job_config.optimizer
+    params = list(model.parameters())
+    # capturable: Adam's step count and bias corrections live on the device, so the step's graph
+    # reads them as data instead of baking this step's Python numbers into it.
+    on_device = any(p.device.type not in ("cpu", "meta") for p in params)
+    if cfg.name in ("AdamW", "Adam"):
+        cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+        optimizer = cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, foreach=False, capturable=on_device)
+    elif cfg.name == "Muon":
+        groups = muon_param_groups(model)
+        if not groups[0]["params"]:
+            raise ConfigError("[optimizer] name = \"Muon\": the model has no 2-D hidden weights "
+                              "(parameters under `layers.`) to orthogonalise; use AdamW")
+        optimizer = Muon(groups, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                         momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                         ns_dtype=getattr(torch, cfg.muon_ns_dtype), adjust_lr=cfg.muon_adjust_lr,
+                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    elif cfg.name == "Lion":
+        optimizer = Lion(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    else:
+        optimizer = Adafactor(params, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay,
+                              d=cfg.adafactor_clip_threshold, weight_decay=cfg.weight_decay)
+    init_optimizer_state(optimizer)
+    return optimizer
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state up front, exactly as the first `optimizer.step()` would, each tensor with
+    its parameter's sharding where it has the parameter's shape."""
+    if hasattr(optimizer, "init_state"):
+        optimizer.init_state()
+        return
+    for group in optimizer.param_groups:  # torch's Adam(W)
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            capturable = group["capturable"]
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
+            for name in ("exp_avg", "exp_avg_sq"):
+                state[name] = zeros_like_param(p)
+
+
+def zeros_like_param(p: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
+    """A zero state tensor for `p`: its shape (or `shape`), with p's sharding when the shapes match."""
+    t = torch.zeros(shape if shape is not None else p.shape, dtype=p.dtype, device=p.device)
+    if t.device.type == "xla" and t.shape == p.shape:
+        runtime.copy_sharding(p, t)
+    return t
+
+
+def step_with_lr(optimizer: torch.optim.Optimizer, lrs: torch.Tensor) -> None:
+    """`optimizer.step()` with group i's learning rate `lrs[i]` (a device tensor, one per group;
+    a scalar serves every group).
+
+    The groups keep their Python floats otherwise, for the scheduler and the state dict; only the
+    traced update reads the tensor."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"] = lrs if lrs.dim() == 0 else lrs[i]
+    try:
+        optimizer.step()
+    finally:
+        for group, value in zip(optimizer.param_groups, saved):
+            group["lr"] = value
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor)]
