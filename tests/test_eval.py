@@ -53,14 +53,33 @@ def _ours(tmp_path, devices: int, checkpoint, task_files, *extra):
     return json.loads((tmp_path / "eval_results.json").read_text()), p.stderr
 
 
+_LM_EVAL = """
+import json, sys
+import lm_eval
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+hf_dir, include = sys.argv[1:3]
+manager = TaskManager(include_path=include)
+out = {}
+for tasks, bos in ((["tx_mc", "tx_lambada"], None), (["tx_ppl"], False)):
+    lm = HFLM(pretrained=hf_dir, dtype="float32", max_length=64, batch_size=4, device="cpu",
+              add_bos_token=bos)
+    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=0,
+                                  log_samples=True)
+    for task in tasks:
+        samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
+        out[task] = [res["results"][task], [s["filtered_resps"] for s in samples]]
+print("LM_EVAL " + json.dumps(out, default=float))
+"""
+
+
 def _lm_eval(hf_dir, task_files, tmp_path):
     """lm-eval's HF model on the exported folder, float32, max_length 64 as our seq_len; the pairs
     with the tokenizer's BOS (its default), the rolling perplexity without (add_bos_token=False:
-    lm-eval's rolling windows prefix BOS themselves)."""
-    lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
+    lm-eval's rolling windows prefix BOS themselves). In its own process: lm-eval's imports
+    (scipy, pandas, accelerate, ...) left the test process crashing in later in-process XLA tests."""
+    pytest.importorskip("lm_eval")
     source = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
     yamls = {
         "tx_mc": source.format(path=task_files["multiple_choice"]) + textwrap.dedent("""\
@@ -88,17 +107,10 @@ def _lm_eval(hf_dir, task_files, tmp_path):
     }
     for name, body in yamls.items():
         (tmp_path / f"{name}.yaml").write_text(f"task: {name}\n{body}")
-    manager = TaskManager(include_path=str(tmp_path))
-    out = {}
-    for tasks, bos in ((["tx_mc", "tx_lambada"], None), (["tx_ppl"], False)):
-        lm = HFLM(pretrained=str(hf_dir), dtype="float32", max_length=64, batch_size=4, device="cpu",
-                  add_bos_token=bos)
-        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=0,
-                                      log_samples=True)
-        for task in tasks:
-            samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
-            out[task] = (res["results"][task], [s["filtered_resps"] for s in samples])
-    return out
+    p = subprocess.run([sys.executable, "-c", _LM_EVAL, str(hf_dir), str(tmp_path)], capture_output=True,
+                       text=True, timeout=600, env=_env(1, {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("LM_EVAL "))[8:])
 
 
 @pytest.fixture(scope="module")

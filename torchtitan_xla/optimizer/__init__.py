@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan_xla import runtime
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.optimizer.adafactor import Adafactor
 from torchtitan_xla.optimizer.lion import Lion
 from torchtitan_xla.optimizer.muon import Muon, muon_param_groups
 from torchtitan_xla.optimizer.schedule import build_lr_scheduler, lr_factor
+from torchtitan_xla.optimizer.state import new_states, zeros_like_param
 
 __all__ = ["Adafactor", "Lion", "Muon", "build_lr_scheduler", "build_optimizer", "lr_factor",
            "optimizer_state_tensors", "step_with_lr"]
@@ -63,23 +63,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if hasattr(optimizer, "init_state"):
         optimizer.init_state()
         return
-    for group in optimizer.param_groups:  # torch's Adam(W)
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state:
-                continue
-            capturable = group["capturable"]
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
-            for name in ("exp_avg", "exp_avg_sq"):
-                state[name] = zeros_like_param(p)
-
-
-def zeros_like_param(p: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
-    """A zero state tensor for `p`: its shape (or `shape`), with p's sharding when the shapes match."""
-    t = torch.zeros(shape if shape is not None else p.shape, dtype=p.dtype, device=p.device)
-    if t.device.type == "xla" and t.shape == p.shape:
-        runtime.copy_sharding(p, t)
-    return t
+    for group, p, state in new_states(optimizer):  # torch's Adam(W)
+        device = p.device if group["capturable"] else "cpu"
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name] = zeros_like_param(p)
 
 
 def step_with_lr(optimizer: torch.optim.Optimizer, lrs: torch.Tensor) -> None:

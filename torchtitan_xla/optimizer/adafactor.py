@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_xla.optimizer.state import new_states, zeros_like_param
+
 
 class Adafactor(torch.optim.Optimizer):
     def __init__(self, params, *, lr: float = 1e-2, beta2_decay: float = -0.8,
@@ -20,19 +22,13 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def init_state(self) -> None:
-        from torchtitan_xla.optimizer import zeros_like_param
-
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if state:
-                    continue
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                if p.dim() > 1:
-                    state["row_var"] = zeros_like_param(p, (*p.shape[:-1], 1))
-                    state["col_var"] = zeros_like_param(p, (*p.shape[:-2], 1, p.shape[-1]))
-                else:
-                    state["variance"] = zeros_like_param(p)
+        for _, p, state in new_states(self):
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            if p.dim() > 1:
+                state["row_var"] = zeros_like_param(p, (*p.shape[:-1], 1))
+                state["col_var"] = zeros_like_param(p, (*p.shape[:-2], 1, p.shape[-1]))
+            else:
+                state["variance"] = zeros_like_param(p)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_xla.optimizer.state import new_states, zeros_like_param
+
 
 class Lion(torch.optim.Optimizer):
     def __init__(self, params, *, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -15,12 +17,8 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def init_state(self) -> None:
-        from torchtitan_xla.optimizer import zeros_like_param
-
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not self.state[p]:
-                    self.state[p]["exp_avg"] = zeros_like_param(p)
+        for _, p, state in new_states(self):
+            state["exp_avg"] = zeros_like_param(p)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from torchtitan_xla.optimizer.state import new_states, zeros_like_param
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
@@ -84,18 +86,12 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def init_state(self) -> None:
-        from torchtitan_xla.optimizer import zeros_like_param
-
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if state:
-                    continue
-                if group["use_muon"]:
-                    state["momentum_buffer"] = zeros_like_param(p)
-                else:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"], state["exp_avg_sq"] = zeros_like_param(p), zeros_like_param(p)
+        for group, p, state in new_states(self):
+            if group["use_muon"]:
+                state["momentum_buffer"] = zeros_like_param(p)
+            else:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"], state["exp_avg_sq"] = zeros_like_param(p), zeros_like_param(p)
 
     @torch.no_grad()
     def step(self, closure=None):
