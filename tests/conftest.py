@@ -42,3 +42,15 @@ def straight(tmp_path_factory):
     folder = tmp_path_factory.mktemp("straight")
     losses, log = run(folder, "--training.local_batch_size", "8", "--checkpoint.last_save_in_hf")
     return folder, losses, log
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _xla_backward_first(xla_device):
+    """One XLA backward before any test runs backward on the CPU: torch's autograd engine sizes
+    its per-device queues at its first backward, and when that one ran on the CPU every later XLA
+    backward in the process fails (an INTERNAL ASSERT in engine.cpp)."""
+    import torch
+
+    x = torch.ones(2, device=xla_device, requires_grad=True)
+    (x * 2).sum().backward()
+    return xla_device
