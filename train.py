@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchtitan_xla.config import JobConfig, parse_args
@@ -53,7 +52,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     )
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.profiling import maybe_enable_profiling
-    from torchtitan_xla.utils import GarbageCollection, check_writable, set_determinism
+    from torchtitan_xla.storage import check_writable, join, makedirs, write_text
+    from torchtitan_xla.utils import GarbageCollection, set_determinism
     from torchtitan_xla.validate import build_validator, validation_config
 
     init_logger()
@@ -62,11 +62,12 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         logger.info("Effective config:\n" + job_config.to_toml())
 
     # Where the run writes: shown to be writable now, not at the first checkpoint hours later.
-    dump_folder = Path(job_config.job.dump_folder)
+    # Each may be a local folder or a gs:// or s3:// URL (storage.py).
+    dump_folder = job_config.job.dump_folder
     check_writable(dump_folder, "[job] dump_folder")
     ckpt = job_config.checkpoint
     if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.last_save_in_hf:
-        check_writable(dump_folder / job_config.checkpoint.folder, "[checkpoint] folder")
+        check_writable(join(dump_folder, job_config.checkpoint.folder), "[checkpoint] folder")
 
     # Devices: SPMD from the first XLA call on, one mesh over every device of every host.
     device = runtime.init_spmd()
@@ -171,8 +172,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                           "with python -m torchtitan_xla.eval")
 
     # Inputs are all checked by now: only from here on does the run write anything.
-    dump_folder.mkdir(parents=True, exist_ok=True)
-    (dump_folder / "config.toml").write_text(job_config.to_toml())
+    makedirs(dump_folder)
+    write_text(join(dump_folder, "config.toml"), job_config.to_toml())
     # SIGTERM stops the run after a step every host agrees on, with a checkpoint of that step.
     preemption = Preemption(host_count=host_count, process_group=process_group)
     if job_config.checkpoint.enable:
@@ -275,7 +276,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                                                         hosts=host_count),
                            progress=host_rank == 0 and sys.stderr.isatty())
         if host_rank == 0:
-            write_results(results, dump_folder / job_config.eval.output_file)
+            write_results(results, join(dump_folder, job_config.eval.output_file))
     if job_config.checkpoint.last_save_in_hf and train_state.step == training.steps:
         checkpoint.export_hf(train_state.step, tokenizer)
     if process_group is not None:

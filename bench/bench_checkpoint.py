@@ -2,7 +2,7 @@
 synchronous vs asynchronous.
 
     python bench/bench_checkpoint.py [--dim 1024] [--layers 8] [--steps 24] [--interval 8]
-                                     [--folder /tmp/ttx-bench-ckpt]
+                                     [--folder /tmp/ttx-bench-ckpt] [--buckets]
 
 A model of about 100M parameters (debug flavor widened to `--dim`) trains on one XLA CPU device
 and saves every `--interval` steps (parameters + Adam state, float32: ~1.3 GB per checkpoint),
@@ -12,6 +12,11 @@ show the steady state (the log says when a save waited for the previous one). Ev
 comes from train.py's own log lines ("written: X GB in Ys", "loop blocked Ys", "step_time",
 "Resumed ... in Ys"); the disk's own sequential write speed (with fsync, as DCP writes) is
 measured in the same run on the same folder.
+
+`--buckets` also saves (synchronously) and resumes the same model in gs:// and s3:// buckets served
+on loopback by the tests' servers (a Cloud Storage emulator, moto's S3 server: tests/object_storage.py).
+That measures the client path (DCP's fsspec writer, gcsfs, s3fs) plus those in-memory Python
+servers, and says nothing about Cloud Storage's or S3's real speed.
 """
 
 from __future__ import annotations
@@ -46,11 +51,11 @@ def disk_write_speed(folder: Path, size: int = 2 * 2**30, chunk: int = 64 * 2**2
     return size / 1e9 / seconds
 
 
-def train(args: list[str], overrides: dict) -> str:
+def train(args: list[str], overrides: dict, env: dict | None = None) -> str:
     code = (f"import sys, json; sys.path.insert(0, {str(REPO)!r}); import train; "
             f"from torchtitan_xla.config import parse_args; "
             f"train.main(parse_args(sys.argv[2:]), model_overrides=json.loads(sys.argv[1]))")
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     p = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), *args],
                        capture_output=True, text=True, env=env)
     if p.returncode:
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--folder", type=Path, default=Path("/tmp/ttx-bench-ckpt"))
+    ap.add_argument("--buckets", action="store_true", help="also gs:// and s3:// on loopback servers")
     opts = ap.parse_args()
     shutil.rmtree(opts.folder, ignore_errors=True)
     disk = disk_write_speed(opts.folder)
@@ -121,6 +127,27 @@ def main() -> None:
     print(f"async background copy to host memory: {asyn['to_host']} s")
     print(f"loop time of steps 2..{opts.steps}, saves included: no checkpoint {none['loop']:.1f}s, "
           f"sync {sync['loop']:.1f}s, async {asyn['loop']:.1f}s")
+    if opts.buckets:
+        bucket_throughput(base, ckpt, overrides, opts, local=(save, load))
+
+
+def bucket_throughput(base, ckpt, overrides, opts, local: tuple[float, float]) -> None:
+    """Save and load throughput to each loopback bucket, next to the local folder's."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from object_storage import GCS_BUCKET, S3_BUCKET, gcs_server, s3_server
+
+    print(f"local folder: save {local[0]:.2f} GB/s, load {local[1]:.2f} GB/s")
+    for server, url in ((gcs_server, f"gs://{GCS_BUCKET}/bench"), (s3_server, f"s3://{S3_BUCKET}/bench")):
+        with server() as env:
+            run = [*base, "--job.dump_folder", str(opts.folder / "bucket"), *ckpt,
+                   "--checkpoint.folder", url, "--checkpoint.async_mode", "disabled"]
+            log = train([*run, "--training.steps", str(opts.interval)], overrides, env)
+            save = statistics.median(floats(r"written: [0-9.]+ GB in [0-9.]+s \(([0-9.]+) GB/s\)", log))
+            log = train([*run, "--training.steps", str(opts.interval + 1)], overrides, env)
+            load = statistics.median(floats(r"Resumed from .*\(([0-9.]+) GB/s\)", log))
+        print(f"{url.split(':')[0]}:// on loopback ({server.__name__}): save {save:.2f} GB/s "
+              f"({100 * save / local[0]:.0f}% of local), load {load:.2f} GB/s "
+              f"({100 * load / local[1]:.0f}% of local)")
 
 
 if __name__ == "__main__":

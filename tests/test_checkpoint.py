@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import CKPT, TWO_BLOCKS, args, run
+from checkpoint_helpers import CKPT, SLOW_SAVE, TWO_BLOCKS, args, run
 from helpers import REPO, losses_of, tiny_args, train_process
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
@@ -181,21 +181,6 @@ def test_resume_onto_a_different_mesh_reshards(tmp_path):
         assert resumed[step] == pytest.approx(losses[step], rel=2e-6)
 
 
-# A save that takes long enough to be killed in the middle: the step-6 write sleeps after DCP
-# has written its files and before the commit.
-SLOW_SAVE = """
-import time
-import torchtitan_xla.checkpoint.commit as commit
-_write_commit = commit.write_commit
-def slow_commit(path, step, contents):
-    if step == 6:
-        print("SAVING", flush=True)
-        time.sleep(120)
-    _write_commit(path, step, contents)
-commit.write_commit = slow_commit
-"""
-
-
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(straight, tmp_path):
     _, losses, _ = straight
     folder = tmp_path / "k"
@@ -208,11 +193,12 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(straight, tmp_path)
     proc.wait()
     ckpt = folder / "checkpoint"
     assert committed_steps(ckpt) == [3]  # keep_latest_k=1 never deleted the only complete one
-    assert (ckpt / "step-6.partial").is_dir() and not (ckpt / "step-6.partial" / COMMIT_FILE).exists()
+    # The half-written step is there without its commit record: absent for every reader.
+    assert (ckpt / "step-6").is_dir() and not (ckpt / "step-6" / COMMIT_FILE).exists()
     resumed, log = run(folder, "--training.local_batch_size", "8", "--checkpoint.keep_latest_k", "1")
     assert "Resumed from" in log and "step-3" in log and "error" not in log.lower()
     assert resumed == {s: losses[s] for s in (4, 5, 6)}
-    assert committed_steps(ckpt) == [6] and not (ckpt / "step-6.partial").exists()
+    assert committed_steps(ckpt) == [6] and sorted(p.name for p in ckpt.iterdir()) == ["step-6"]
 
 
 def _train_py(folder: Path, *extra: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
@@ -244,7 +230,7 @@ def test_a_failed_write_is_one_line_exit_1_and_keeps_the_previous_checkpoint(tmp
                           f"OSError: [Errno 27] File too large; step-3 is the newest checkpoint"], mode
         assert "Traceback" not in p.stderr and "Resumed from" in p.stderr
         assert committed_steps(folder / "checkpoint") == [3]
-        assert not (folder / "checkpoint" / "step-6.partial").exists()  # its space is given back
+        assert not (folder / "checkpoint" / "step-6").exists()  # its space is given back
         assert {f.name: f.read_bytes() for f in step3.iterdir()} == before
 
 

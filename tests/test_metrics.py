@@ -84,7 +84,10 @@ def test_tensorboard_scalars_are_the_logged_values(runs):
     # One data-parallel rank: its mean is the global mean.
     assert scalars["loss_metrics/global_max_loss"] == scalars["loss_metrics/global_avg_loss"]
     assert [v for _, v in scalars["lr"]] == [float(np.float32(s.lr)) for s in history]
-    assert [v for _, v in scalars["xla/num_compiles"]] == [2.0] * 4  # compiled by the first run
+    # The process's compile count (tests before may have compiled too): the first run compiled the
+    # step, this one nothing, so it stays at what it was when this run started.
+    compiles = [v for _, v in scalars["xla/num_compiles"]]
+    assert compiles == [compiles[0]] * 4 and compiles[0] >= 2 and runs["on"][3] == 0
     rss = [v for _, v in scalars["memory/host_rss(GiB)"]]
     assert all(0.1 < v < 24 for v in rss), rss  # this process's RSS, in GiB, on a 24 GiB machine
 

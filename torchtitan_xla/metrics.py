@@ -21,6 +21,7 @@ from torchtitan_xla import runtime
 from torchtitan_xla.errors import ConfigError, first_line
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.args import ModelArgs
+from torchtitan_xla.storage import local_outputs
 from torchtitan_xla.utils import host_memory_gib
 
 if TYPE_CHECKING:
@@ -334,7 +335,7 @@ class WandbSink:
             raise ConfigError("[metrics] enable_wandb = true: the wandb package is not installed "
                               "(pip install 'torchtitan_xla[wandb]')") from None
         m = job_config.metrics
-        folder = Path(job_config.job.dump_folder)
+        folder = Path(local_outputs(job_config.job.dump_folder))
         folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=m.wandb_project, name=(m.wandb_run_name or None) and
                               m.wandb_run_name + name_suffix, mode=m.wandb_mode, dir=str(folder),
@@ -357,7 +358,7 @@ def build_metric_logger(job_config: JobConfig, *, flops_per_token: int, tokens_p
     sinks = []
     if enabled and metrics.enable_tensorboard:
         # One folder per launch, as torchtitan does: TensorBoard shows each launch as a run.
-        tb_dir = (Path(job_config.job.dump_folder) / metrics.save_tb_folder
+        tb_dir = (Path(local_outputs(job_config.job.dump_folder)) / metrics.save_tb_folder
                   / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         if not metrics.rank_0_only:
             tb_dir = tb_dir / f"rank_{host_rank}"

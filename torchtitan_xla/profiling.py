@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan_xla import runtime
 from torchtitan_xla.logging import logger
+from torchtitan_xla.storage import local_outputs
 
 if TYPE_CHECKING:
     from torchtitan_xla.config import JobConfig
@@ -68,7 +69,7 @@ def maybe_enable_profiling(job_config: JobConfig) -> Iterator[Profiler | None]:
     """The run's Profiler (None when profiling is off). On leaving, also after an error, it ends an
     open trace and writes the metrics report if asked for: a recompile error is when it helps."""
     prof = job_config.profiling
-    dump_folder = Path(job_config.job.dump_folder)
+    dump_folder = Path(local_outputs(job_config.job.dump_folder))  # traces are local files
     profiler = None
     if prof.enable_profiling:
         profiler = Profiler(dump_folder / prof.save_traces_folder, prof.profile_freq,

@@ -1,16 +1,10 @@
-"""Small helpers of the training loop: determinism, host memory, the garbage-collection schedule,
-and checking at start that the run's output folders can be written."""
+"""Small helpers of the training loop: determinism, host memory, the garbage-collection schedule."""
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import resource
-import tempfile
-from pathlib import Path
-
-from torchtitan_xla.errors import ConfigError
 
 
 def set_determinism(seed: int | None, deterministic: bool) -> int:
@@ -46,21 +40,3 @@ class GarbageCollection:
     def run(self, step: int) -> None:
         if step % self.gc_freq == 0:
             gc.collect(1)
-
-
-def check_writable(folder: Path, key: str) -> None:
-    """ConfigError naming the config `key` unless files can be created in `folder`, or where it
-    will be created: a temporary file is made and deleted in it, or in its nearest existing
-    parent. Run at start, so that a bad folder is not found at the first checkpoint, after the
-    training before it; nothing is left behind (bad input found later writes nothing)."""
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
-            pass
-    except OSError as e:
-        reason = (e.strerror or type(e).__name__) + (f": {existing}" if existing != folder else "")
-        raise ConfigError(f"{key}: cannot write to {folder} ({reason})") from None

@@ -1,10 +1,11 @@
-"""The commit protocol that keeps checkpoints from ever being half-read.
+"""The commit protocol that keeps checkpoints from ever being half-read, on a local folder or an
+object store (gs://, s3://: no rename there, so none is used anywhere).
 
-A checkpoint step is written into `step-<N>.partial`, then a commit file (`COMMITTED`, listing every
-file and its size) is written, then the folder is renamed to `step-<N>`. Only folders with a commit
-file whose files are all present with the recorded sizes count as checkpoints, so a process killed
-mid-save leaves the previous checkpoint as the newest one. Old steps are deleted only after a newer
-one is committed.
+A step is written into `step-<N>/` and its commit record (`COMMITTED`: every file and its size)
+is written last, in one atomic write. Only step folders with a record whose files all exist with
+the recorded sizes are checkpoints: a step without its record (a save killed midway) is absent,
+and is deleted once a newer step is committed. Re-saving a step deletes its record first, then
+its files; deleting an old step does the same, so a step never looks complete while it is not.
 
 Also here: reading and writing weights-only step folders with plain DCP on the host (the
 conversion scripts), which need no XLA device and no process group.
@@ -13,83 +14,88 @@ conversion scripts), which need no XLA device and no process group.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
+from torchtitan_xla import storage
 from torchtitan_xla.errors import ConfigError, first_line
 
 COMMIT_FILE = "COMMITTED"
 MODEL_ARGS_FILE = "model_args.json"
-PARTIAL = ".partial"
 
 
 class DamagedCheckpoint(Exception):
     pass
 
 
-def step_folder(folder: Path, step: int) -> Path:
-    return folder / f"step-{step}"
+def step_folder(folder: str, step: int) -> str:
+    return storage.join(folder, f"step-{step}")
 
 
-def partial_folder(folder: Path, step: int) -> Path:
-    return folder / f"step-{step}{PARTIAL}"
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
+def _step_of(name: str) -> int | None:
     if not name.startswith("step-") or not name[5:].isdigit():
         return None
     return int(name[5:])
 
 
-def committed_steps(folder: Path) -> list[int]:
+def _steps(folder: str) -> dict[int, bool]:
+    """Every step folder in `folder` -> whether it has its commit record."""
+    steps = {}
+    for name in storage.listdir(folder):
+        step = _step_of(name)
+        if step is not None:
+            steps[step] = storage.exists(storage.join(folder, name, COMMIT_FILE))
+    return steps
+
+
+def committed_steps(folder: str) -> list[int]:
     """Steps with a committed checkpoint folder, ascending (integrity is checked on load)."""
-    if not folder.is_dir():
-        return []
-    steps = [_step_of(p) for p in folder.iterdir() if (p / COMMIT_FILE).is_file()]
-    return sorted(s for s in steps if s is not None)
+    return sorted(step for step, committed in _steps(folder).items() if committed)
 
 
-def write_commit(path: Path, step: int, contents: list[str]) -> None:
-    """The commit record of a fully written `path`: every file and its size."""
-    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+def delete_step(path: str) -> None:
+    """Its record first: a step half deleted (a process killed meanwhile) is not a checkpoint."""
+    storage.remove(storage.join(path, COMMIT_FILE))
+    storage.remove(path)
+
+
+def begin(path: str) -> None:
+    """Clear `path` for a new save of its step (an earlier save of it, or one killed midway)."""
+    delete_step(path)
+    storage.makedirs(path)
+
+
+def write_commit(path: str, step: int, contents: list[str]) -> dict[str, Any]:
+    """Write (and return) the commit record of a fully written `path`: every file and its size."""
+    files = storage.file_sizes(path)
     record = {"step": step, "contents": contents, "files": files, "time": time.time()}
-    tmp = path / (COMMIT_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path / COMMIT_FILE)
-
-
-def publish(partial: Path, final: Path) -> None:
-    """Rename a committed partial folder to its final name, replacing an older save of the step."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-
-
-def verify(path: Path) -> dict[str, Any]:
-    """The commit record, after checking every listed file exists with its recorded size."""
-    try:
-        record = json.loads((path / COMMIT_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise DamagedCheckpoint(f"unreadable {COMMIT_FILE} ({e})") from None
-    for name, size in record["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise DamagedCheckpoint(f"missing file {name}")
-        if f.stat().st_size != size:
-            raise DamagedCheckpoint(f"{name} has {f.stat().st_size} bytes, {size} were written")
+    storage.write_text(storage.join(path, COMMIT_FILE), json.dumps(record, indent=1))
     return record
 
 
-def purge(folder: Path, keep_latest_k: int) -> None:
-    """Delete all but the newest `keep_latest_k` committed steps (0: keep all)."""
-    steps = committed_steps(folder)
-    if keep_latest_k > 0 and len(steps) > keep_latest_k:
-        for old in steps[:-keep_latest_k]:  # the newest (just committed) always stays
-            shutil.rmtree(step_folder(folder, old), ignore_errors=True)
+def verify(path: str) -> dict[str, Any]:
+    """The commit record, after checking every listed file exists with its recorded size."""
+    try:
+        record = json.loads(storage.read_text(storage.join(path, COMMIT_FILE)))
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(f"unreadable {COMMIT_FILE} ({e})") from None
+    found = storage.file_sizes(path)
+    for name, size in record["files"].items():
+        if name not in found:
+            raise DamagedCheckpoint(f"missing file {name}")
+        if found[name] != size:
+            raise DamagedCheckpoint(f"{name} has {found[name]} bytes, {size} were written")
+    return record
+
+
+def purge(folder: str, keep_latest_k: int) -> None:
+    """After a commit: delete every step without its record (no save is under way now) and all but
+    the newest `keep_latest_k` committed steps (0: keep all)."""
+    steps = _steps(folder)
+    committed = sorted(s for s, ok in steps.items() if ok)
+    old = committed[:-keep_latest_k] if keep_latest_k > 0 else []  # the newest always stays
+    for step in sorted([s for s, ok in steps.items() if not ok] + old):
+        delete_step(step_folder(folder, step))
 
 
 def dcp_failure(e: BaseException) -> str:
@@ -107,18 +113,34 @@ def dcp_failure(e: BaseException) -> str:
     return first_line(cause or e)
 
 
-def writer(path: Path):
+def writer(path: str):
+    """DCP's writer: its file-system one for a local folder, its fsspec one for a URL."""
     import torch.distributed.checkpoint as dcp
 
+    if storage.is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # sync_files: an upload is durable when it completes; DCP would call os.sync() on the host.
+        return FsspecWriter(path, sync_files=False, per_thread_copy_ahead=0)
     # per_thread_copy_ahead=0: the overlapping loader asks the device module for CUDA-style
     # streams, which XLA tensors do not have (the state is on the host by then anyway).
-    return dcp.FileSystemWriter(str(path), per_thread_copy_ahead=0)
+    return dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
+
+
+def reader(path: str):
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path)
 
 
 # ---- weights-only step folders on the host -----------------------------------------------------
 
 
-def read_model_state(step_dir: str | Path):
+def read_model_state(step_dir: str):
     """(full model tensors on the host, ModelArgs) of a checkpoint step folder, with plain DCP on
     the CPU: no XLA device or process group needed (used by the conversion scripts)."""
     import torch
@@ -126,31 +148,28 @@ def read_model_state(step_dir: str | Path):
 
     from torchtitan_xla.checkpoint.hf import model_args_from_json
 
-    path = Path(step_dir)
+    path = str(step_dir)
     try:
         verify(path)
     except DamagedCheckpoint as e:
         raise ConfigError(f"checkpoint {path}: {e}") from None
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = reader(path).read_metadata()
     states = {"model": {}}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model."):
             states["model"][key[len("model."):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return states["model"], model_args_from_json((path / MODEL_ARGS_FILE).read_text())
+    dcp.load(states, storage_reader=reader(path), no_dist=True)
+    return states["model"], model_args_from_json(storage.read_text(storage.join(path, MODEL_ARGS_FILE)))
 
 
-def write_model_checkpoint(state_dict, args, step_dir: str | Path, step: int = 0) -> None:
+def write_model_checkpoint(state_dict, args, step_dir: str, step: int = 0) -> None:
     """A weights-only checkpoint step folder from host tensors (seed / converted checkpoints)."""
     import torch.distributed.checkpoint as dcp
 
     from torchtitan_xla.checkpoint.hf import model_args_to_json
 
-    final = Path(step_dir)
-    partial = final.with_name(final.name + PARTIAL)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    dcp.save({"model": state_dict}, storage_writer=writer(partial), no_dist=True)
-    (partial / MODEL_ARGS_FILE).write_text(model_args_to_json(args))
-    write_commit(partial, step, ["model"])
-    publish(partial, final)
+    path = str(step_dir)
+    begin(path)
+    dcp.save({"model": state_dict}, storage_writer=writer(path), no_dist=True)
+    storage.write_text(storage.join(path, MODEL_ARGS_FILE), model_args_to_json(args))
+    write_commit(path, step, ["model"])

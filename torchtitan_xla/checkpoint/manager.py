@@ -7,30 +7,29 @@ schedule, each host's data-loader state, the train step and RNG states.
 
 Safety:
 - Steps are committed (commit.py): a process killed mid-save leaves the previous checkpoint as the
-  newest one, and `keep_latest_k` deletes old ones only after a newer one is committed.
+  newest one, and `keep_latest_k` deletes old ones only after a newer one is committed. The same
+  on a local folder and on gs:// or s3:// (storage.py).
 - A checkpoint that fails to load is reported in one line naming it; the run falls back to the
   previous one (or stops, with `on_damaged = "error"`). It never silently starts from scratch.
-- A save that cannot be written (a full disk) stops the run in one line, exit code 1; its partial
-  folder is deleted and older checkpoints are kept.
+- A save that cannot be written (a full disk) stops the run in one line, exit code 1; its
+  uncommitted folder is deleted and older checkpoints are kept.
 - SIGTERM finishes the current step, saves it on every host, and exits 0 (preemption.py).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import pickle
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchtitan_xla import runtime
+from torchtitan_xla import runtime, storage
 from torchtitan_xla.checkpoint import commit
-from torchtitan_xla.checkpoint.commit import COMMIT_FILE, MODEL_ARGS_FILE, DamagedCheckpoint
+from torchtitan_xla.checkpoint.commit import MODEL_ARGS_FILE, DamagedCheckpoint
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError, RunError, first_line
 from torchtitan_xla.logging import logger
@@ -56,24 +55,22 @@ def _loader_key(host_rank: int) -> str:
     return f"dataloader/host_{host_rank}"
 
 
-def _saved_loader_hosts(path: Path) -> int:
+def _saved_loader_hosts(path: str) -> int:
     """How many hosts saved a data-loader state into this checkpoint step."""
-    import torch.distributed.checkpoint as dcp
-
     try:
-        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        keys = commit.reader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise DamagedCheckpoint(f"metadata unreadable: {type(e).__name__}") from None
     return sum(k.startswith("dataloader/host_") for k in keys)
 
 
-def _dcp_load(states: dict[str, Any], path: Path, process_group) -> None:
+def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
     """Load `path` in place into the (sharded) tensors of `states`, which must be materialised
     (`runtime.materialise()`, outside the caller's try: a device error is not a damaged file)."""
     import torch.distributed.checkpoint as dcp
 
     with torch.no_grad():
-        dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)),
+        dcp.load(states, storage_reader=commit.reader(path),
                  planner=checkpointing.load_planner(), process_group=process_group)
 
 
@@ -84,7 +81,7 @@ class CheckpointManager:
         self.cfg = job_config.checkpoint
         self.model_args = model_args
         self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
-        self.folder = Path(job_config.job.dump_folder) / self.cfg.folder
+        self.folder = storage.join(job_config.job.dump_folder, self.cfg.folder)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.data_loader, self.train_state = data_loader, train_state
         self.host_rank, self.host_count = host_rank, host_count
@@ -185,35 +182,36 @@ class CheckpointManager:
         from torchtitan_xla.checkpoint.hf import model_args_to_json
 
         start = time.perf_counter()
-        final, partial = commit.step_folder(self.folder, step), commit.partial_folder(self.folder, step)
+        path = commit.step_folder(self.folder, step)
         try:
             if self.host_rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)  # left by a process killed mid-save
-                partial.mkdir(parents=True)
+                commit.begin(path)  # an earlier save of this step, or one killed midway
             self._barrier()
-            dcp.save(states, storage_writer=commit.writer(partial),
+            dcp.save(states, storage_writer=commit.writer(path),
                      planner=checkpointing.save_planner(), process_group=self._write_group)
             if self.host_rank == 0:
                 # What the weights are, so converters need neither the config nor the tokenizer.
-                (partial / MODEL_ARGS_FILE).write_text(model_args_to_json(self.model_args))
-                commit.write_commit(partial, step, sorted(states))
+                storage.write_text(storage.join(path, MODEL_ARGS_FILE), model_args_to_json(self.model_args))
+                record = commit.write_commit(path, step, sorted(states))
         except (Exception, CheckpointException) as e:  # every host gets the same exception
             if self.host_rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)  # a full disk needs the space back
-            steps = commit.committed_steps(self.folder)
+                with contextlib.suppress(Exception):  # a full disk needs the space back
+                    commit.delete_step(path)
+            steps = []
+            with contextlib.suppress(Exception):  # the store itself may be what failed
+                steps = commit.committed_steps(self.folder)
             newest = f"step-{steps[-1]} is the newest checkpoint" if steps else "no checkpoint was written"
             raise RunError(f"checkpoint step-{step} could not be written in {self.folder}: "
                            f"{commit.dcp_failure(e)}; {newest}") from None
         if self.host_rank == 0:
-            commit.publish(partial, final)
             commit.purge(self.folder, self.cfg.keep_latest_k)
-            size = sum(json.loads((final / COMMIT_FILE).read_text())["files"].values())
+            size = sum(record["files"].values())
             seconds = time.perf_counter() - start
             logger.info(f"Checkpoint step-{step} written: {size / 1e9:.3f} GB in {seconds:.2f}s "
                         f"({size / 1e9 / seconds:.2f} GB/s)")
         self._barrier()
 
-    def export_hf(self, step: int, tokenizer) -> Path | None:
+    def export_hf(self, step: int, tokenizer) -> str | None:
         """HuggingFace weights, config.json and tokenizer of the current model, in export_dtype."""
         from torchtitan_xla.checkpoint.hf import export_hf, gather_state_dict
 
@@ -221,9 +219,10 @@ class CheckpointManager:
             logger.warning("last_save_in_hf: with several hosts, convert the saved checkpoint with "
                            "scripts/convert_to_hf.py instead (one host cannot gather every shard)")
             return None
-        out = self.folder / f"step-{step}-hf"
-        export_hf(gather_state_dict(self.model), self.model_args, out,
-                  dtype=getattr(torch, self.cfg.export_dtype), tokenizer=tokenizer)
+        out = storage.join(self.folder, f"step-{step}-hf")
+        with storage.local_folder(out) as local:
+            export_hf(gather_state_dict(self.model), self.model_args, local,
+                      dtype=getattr(torch, self.cfg.export_dtype), tokenizer=tokenizer)
         logger.info(f"HuggingFace export written to {out}")
         return out
 
@@ -273,7 +272,7 @@ class CheckpointManager:
             return True
         return False
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: str) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
         record = commit.verify(path)
@@ -320,8 +319,11 @@ class CheckpointManager:
 
         from torchtitan_xla.checkpoint.hf import load_hf_into_model
 
-        path = Path(self.cfg.initial_load_path)
-        if not path.is_dir():
+        path = self.cfg.initial_load_path
+        if self.cfg.initial_load_in_hf and storage.is_url(path):
+            raise ConfigError(f"[checkpoint] initial_load_path: {path}: HuggingFace weights are read "
+                              f"from a local folder; copy them to one first")
+        if not storage.isdir(path):
             raise ConfigError(f"[checkpoint] initial_load_path: not a folder: {path}")
         if self.cfg.initial_load_in_hf:
             load_hf_into_model(self.model, self.model_args, path, mesh)

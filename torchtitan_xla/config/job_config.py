@@ -28,7 +28,8 @@ def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = 
 class Job:
     config_file: str = opt("", "TOML file to read; command-line flags override its values.")
     dump_folder: str = opt(
-        "./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints).")
+        "./outputs", "Folder for everything the run writes (config, TensorBoard, checkpoints); may be "
+        "a gs:// or s3:// URL (TensorBoard, W&B and traces then go to ./outputs/<scheme>/<path>).")
     description: str = opt("default job", "Free text describing the job; printed at start.")
     print_config: bool = opt(
         True, "Print the effective config at start (it is always saved to <dump_folder>/config.toml).")
@@ -96,8 +97,8 @@ class Training:
         "allenai/c4 (en) from the Hub, or reads a local copy at dataset_path; json / parquet / "
         "text read local files; hf a save_to_disk folder or a Hub id; synthetic is random tokens.")
     dataset_path: str = opt(
-        "", "Local file, folder or glob of the dataset (c4: the folder holding en/); empty: the "
-        "registry default.")
+        "", "File, folder or glob of the dataset (c4: the folder holding en/), local or a gs:// or "
+        "s3:// URL; empty: the registry default.")
     dataset_split: str = opt(
         "train", "Split to read: train, or validation (python_docs holds out every tenth topic; c4 "
         "reads c4-validation.* files).")
@@ -181,7 +182,8 @@ class Parallelism:
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "Save checkpoints, and resume from the newest one at start.")
-    folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder; holds step-<N> folders.")
+    folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder unless absolute or a gs:// "
+                      "or s3:// URL; holds step-<N> folders.")
     interval: int = opt(500, "Save every this many steps (and after the last step).", gt=0)
     async_mode: Literal["disabled", "async"] = opt(
         "disabled", "async: copy the state on the device (the loop waits only for that), then move "

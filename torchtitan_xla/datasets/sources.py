@@ -1,21 +1,22 @@
 """Where documents come from: the dataset registry (`[training] dataset`).
 
 Every source is a HuggingFace `datasets.IterableDataset` of `{"text": str}` rows, streamed (a
-corpus is never loaded whole): the embedded Python docs, C4 (local copy or the Hub), local JSON
-lines / parquet / text files, and `save_to_disk` folders. packing.py turns them into training
-windows.
+corpus is never loaded whole): the embedded Python docs, C4 (a copy or the Hub), JSON lines /
+parquet / text files, and `save_to_disk` folders. Files and copies may be local or in a bucket
+(gs://, s3://, read through fsspec: storage.py). packing.py turns them into training windows.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
-import gzip
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchtitan_xla import storage
 from torchtitan_xla.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
@@ -31,8 +32,9 @@ DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "syntheti
 
 
 def _open_text(file: str):
-    opener = gzip.open if file.endswith(".gz") else open
-    return opener(file, "rt", encoding="utf-8")
+    import fsspec
+
+    return fsspec.open(file, "rt", encoding="utf-8", compression="infer")
 
 
 def _read_json_lines(files: list[str]) -> Iterator[dict[str, str]]:
@@ -97,11 +99,35 @@ def _from_generator(fn, **shards: list) -> datasets.IterableDataset:
     return datasets.IterableDataset.from_generator(fn, features=features, gen_kwargs=shards)
 
 
+def _url_files(path: str, suffixes: tuple[str, ...]) -> list[str] | None:
+    """_local_files for a URL (None: nothing there)."""
+    fs, p = storage.filesystem(path)
+    try:
+        if any(ch in p for ch in "*?["):
+            files = [f for f in fs.glob(p) if fs.isfile(f)]
+        elif fs.isdir(p):
+            files = [f for f in fs.find(p) if f.endswith(suffixes)]
+        elif fs.isfile(p):
+            files = [p]
+        else:
+            return None
+    except Exception as e:  # each library has its own errors for a bucket, auth or network error
+        raise ConfigError(f"[training] dataset_path: {path}: {storage.describe(e)}") from None
+    return sorted(fs.unstrip_protocol(f) for f in files)
+
+
 def _local_files(path: str, suffixes: tuple[str, ...], kind: str) -> list[str]:
-    """A file, a folder (searched recursively) or a glob pattern -> sorted file list."""
+    """A file, a folder (searched recursively) or a glob pattern, local or a URL -> sorted file list."""
     if not path:
         raise ConfigError(
             f"[training] dataset_path: the '{kind}' dataset needs a file, folder or glob")
+    if storage.is_url(path):
+        files = _url_files(path, suffixes)
+        if files is None:
+            raise ConfigError(f"[training] dataset_path: not found: {path}")
+        if not files:
+            raise ConfigError(f"[training] dataset_path: no {' / '.join(suffixes)} files in {path}")
+        return files
     p = Path(path).expanduser()
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(str(p), recursive=True) if os.path.isfile(f))
@@ -144,12 +170,13 @@ def _c4(path: str, split: str) -> datasets.IterableDataset:
             f"[training] dataset_split: c4 has splits train and validation, not {split!r}")
     if not path:
         return _hub(C4_HUB_ID, split, config="en")
-    root = Path(path).expanduser()
-    if not root.is_dir():
+    root = path if storage.is_url(path) else str(Path(path).expanduser())
+    if not storage.isdir(root):
         raise ConfigError(
             f"[training] dataset_path: not found: {path} (expected a copy of {C4_HUB_ID})")
-    en = root / "en" if (root / "en").is_dir() else root
-    files = sorted(str(f) for f in en.glob(f"c4-{split}.*-of-*.json.gz"))
+    en = storage.join(root, "en") if storage.isdir(storage.join(root, "en")) else root
+    files = [storage.join(en, name) for name in storage.listdir(en)
+             if fnmatch.fnmatch(name, f"c4-{split}.*-of-*.json.gz")]
     if not files:
         raise ConfigError(f"[training] dataset_path: no en/c4-{split}.NNNNN-of-NNNNN.json.gz "
                           f"files in {path} (expected the layout of {C4_HUB_ID})")
@@ -187,9 +214,10 @@ def _hf(path: str, split: str) -> datasets.IterableDataset:
     if not path:
         raise ConfigError(
             "[training] dataset_path: the 'hf' dataset needs a save_to_disk folder or a Hub id")
-    if Path(path).expanduser().is_dir():
+    folder = path if storage.is_url(path) else str(Path(path).expanduser())
+    if storage.isdir(folder):
         try:
-            ds = datasets.load_from_disk(str(Path(path).expanduser()))
+            ds = datasets.load_from_disk(folder)
         except FileNotFoundError as e:
             raise ConfigError(f"[training] dataset_path: {path} is not a save_to_disk folder "
                               f"({first_line(e, typed=False)})") from None

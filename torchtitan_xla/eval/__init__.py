@@ -5,10 +5,12 @@ or by train.py after its last step (`at_end`). docs/evaluation.md."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
+from torchtitan_xla import storage
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.eval.scorer import Scorer, pair_tokens, rolling_windows
@@ -45,13 +47,13 @@ def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: li
     return out
 
 
-def write_results(out: dict, path: Path) -> None:
+def write_results(out: dict, path: str | Path) -> None:
     """The table on the console, everything in `path` (JSON)."""
     rows = [(task, name, value) for task, ms in out["results"].items() for name, value in ms.items()]
     width = max(len(t) for t, _, _ in rows)
     lines = [f"{'task':<{width}}  {'metric':<16} value"]
     lines += [f"{t:<{width}}  {n:<16} {v:.4f}" for t, n, v in rows]
     logger.info("Evaluation:\n" + "\n".join(lines))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    storage.makedirs(os.path.dirname(str(path)))
+    storage.write_text(str(path), json.dumps(out, indent=1))
     logger.info(f"Evaluation results written to {path}")

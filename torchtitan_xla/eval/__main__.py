@@ -20,24 +20,31 @@ from torchtitan_xla.config import JobConfig, parse_args
 from torchtitan_xla.errors import ConfigError, run_main
 
 
-def _weights(job_config: JobConfig) -> tuple[Path, bool]:
+def _weights(job_config: JobConfig) -> tuple[str | Path, bool]:
     """(the folder to load, whether it is a HuggingFace folder), checked before XLA starts."""
+    from torchtitan_xla import storage
     from torchtitan_xla.checkpoint import commit
 
     given = job_config.eval.checkpoint
     if not given:
-        folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
-        steps = commit.committed_steps(folder) if folder.is_dir() else []
+        folder = storage.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+        steps = commit.committed_steps(folder)
         if not steps:
             raise ConfigError(f"[eval] checkpoint: empty and no committed checkpoint in {folder}")
         return commit.step_folder(folder, steps[-1]), False
+    if storage.is_url(given):  # a checkpoint step in a bucket (HF folders are read locally)
+        try:
+            commit.verify(given)
+        except commit.DamagedCheckpoint as e:
+            raise ConfigError(f"[eval] checkpoint: {given}: not a usable checkpoint step ({e})") from None
+        return given, False
     path = Path(given)
     if not path.is_dir():
         raise ConfigError(f"[eval] checkpoint: {path}: no such folder")
     if (path / "config.json").is_file():
         return path, True
     try:
-        commit.verify(path)
+        commit.verify(str(path))
     except commit.DamagedCheckpoint as e:
         raise ConfigError(f"[eval] checkpoint: {path}: neither a HuggingFace folder (no config.json) "
                           f"nor a usable checkpoint step ({e})") from None
@@ -58,15 +65,15 @@ def main(job_config: JobConfig) -> dict:
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.models import get_model_class
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
-    from torchtitan_xla.utils import check_writable
+    from torchtitan_xla.storage import check_writable, join
 
     init_logger()
     tasks = [parse_task(spec) for spec in job_config.eval.tasks]
     if not tasks:
         raise ConfigError("[eval] tasks: none given; e.g. --eval.tasks multiple_choice:boolq.jsonl")
     path, is_hf = _weights(job_config)
-    out_file = Path(job_config.job.dump_folder) / job_config.eval.output_file
-    check_writable(out_file.parent, "[job] dump_folder")
+    out_file = join(job_config.job.dump_folder, job_config.eval.output_file)
+    check_writable(job_config.job.dump_folder, "[job] dump_folder")
     if is_hf:
         model_args = model_args_from_hf_config(json.loads((path / "config.json").read_text()))
         state = None

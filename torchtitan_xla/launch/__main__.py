@@ -5,7 +5,7 @@ runs one process per host that drives all of the host's chips.
     python -m torchtitan_xla.launch --dry-run     [train.py options]  # per host: command + env
     python -m torchtitan_xla.launch --check-hosts [train.py options]  # join the hosts, compare data
     python -m torchtitan_xla.launch --cpu-devices [train.py options]  # virtual CPU devices needed
-    python -m torchtitan_xla.launch --dump-folder [train.py options]  # the job's output folder
+    python -m torchtitan_xla.launch --dump-folder [train.py options]  # its local output folder
 
 Bad input is one line and exit code 2, before anything starts (docs/multihost.md).
 """
@@ -32,7 +32,9 @@ def main(argv: list[str]) -> int:
     if mode == "--cpu-devices":
         print(cpu_device_count(job_config))
     elif mode == "--dump-folder":
-        print(job_config.job.dump_folder)
+        from torchtitan_xla.storage import local_outputs
+
+        print(local_outputs(job_config.job.dump_folder))  # for the host logs: a local folder
     elif mode == "--exports":
         _, variables = plan(job_config)
         print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(variables.items())))
