@@ -7,6 +7,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 ./run_train.sh      # on host0; NODE_RANK=1 on the other
 #   ./run_train.sh --dry-run [...]      # per host: the variables and the command; starts nothing
 #   ./run_train.sh --check-hosts [...]  # join all hosts (gloo) and compare their data; no XLA
+#   ./run_train.sh --plan [...]         # memory, collectives and roofline on the config's [plan] tpu
 #
 # Hosts come from NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT, else from Slurm (inside srun), else
 # this is one host (or a TPU VM pod that its metadata server describes). See docs/multihost.md.
@@ -25,6 +26,7 @@ MODE=train
 case "${1:-}" in
   --dry-run) MODE=dry-run; shift ;;
   --check-hosts) MODE=check-hosts; shift ;;
+  --plan) MODE=plan; shift ;;
 esac
 
 CONFIG_FILE="${CONFIG_FILE:-$REPO/train_configs/debug_model.toml}"
@@ -43,6 +45,9 @@ fi
 # This checkout's package, whatever else the Python has installed.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 ARGS=(--job.config_file "$CONFIG_FILE" "$@")
+if [[ "$MODE" == plan ]]; then
+  exec "$PY" -m torchtitan_xla.plan "${ARGS[@]}"
+fi
 if [[ "$MODE" == dry-run ]]; then
   exec "$PY" -m torchtitan_xla.launch --dry-run "${ARGS[@]}"
 fi

@@ -289,6 +289,13 @@ class Profiling:
 
 
 @dataclass
+class Plan:
+    tpu: str = opt(
+        "", "The TPU slice the job is meant for (e.g. v5p-256, v6e-256): what `run_train.sh --plan` "
+        "(python -m torchtitan_xla.plan) checks memory and speed against. Training ignores it.")
+
+
+@dataclass
 class Debug:
     seed: int | None = opt(None, "Seed for parameter init and data order; unset: a fixed default.")
     deterministic: bool = opt(False, "Use deterministic algorithms only (same config, same losses).")
@@ -313,6 +320,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    plan: Plan = field(default_factory=Plan)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

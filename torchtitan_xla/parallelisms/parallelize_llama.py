@@ -84,13 +84,21 @@ def shard_param(param: torch.Tensor, mesh, spec: Spec) -> None:
 
 
 def apply_tp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
-    """Megatron tensor parallelism with sequence parallelism.
-
-    Parameters follow TP_PLAN. Between blocks the residual stream is split along the sequence over
-    `tp` (norms and residual adds then run on sequence shards, and XLA turns the row-parallel
-    reductions into reduce-scatters); attention runs on head shards; logits stay vocab-sharded."""
+    """Megatron tensor parallelism: parameters follow TP_PLAN (attention on head shards, logits on
+    vocab shards). Sequence parallelism between blocks comes from `apply_activation_sharding`."""
     for name, param in model.named_parameters():
         shard_param(param, mesh, tp_spec(name, param.dim()))
+
+
+def apply_activation_sharding(model: nn.Module, mesh) -> None:
+    """Constrain activations at module boundaries, on every mesh: the batch over the data-parallel
+    axes; the residual stream between blocks split along the sequence over `tp` (norms and residual
+    adds then run on sequence shards, and XLA turns the row-parallel reductions into
+    reduce-scatters); attention's q, k, v on head shards; logits on vocab shards.
+
+    Without them XLA's sharding propagation is free to give a projection of an FSDP-sharded weight
+    a feature-sharded output, which it then computes by all-gathering the activations of the whole
+    global batch instead of the weight (the collectives audit, docs/plan.md, found this for wk)."""
     seq_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None))  # [batch, seq, dim]
     heads_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None, None))  # [batch, heads, seq, head_dim]
     vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, None, "tp"))  # [batch, seq, vocab]
@@ -231,6 +239,8 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
                       job_config: JobConfig) -> nn.Module:
     if parallel_dims.tp > 1:
         apply_tp(model, mesh, parallel_dims)
+    if parallel_dims.world_size > 1:
+        apply_activation_sharding(model, mesh)
     ac = job_config.activation_checkpoint
     if not job_config.compile.scan_layers:  # under scan, the scan's partitioner does it
         apply_ac(model, ac)

@@ -16,10 +16,13 @@ _VALUE = re.compile(r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (.*)$
 _TOTAL = re.compile(r"^Total bytes used: (\d+)")
 
 
-def dump_flags(folder: str | Path) -> str:
+def dump_flags(folder: str | Path, *, memory_scheduler: bool = False) -> str:
     """What to add to XLA_FLAGS for XLA to dump every compiled module (and its buffer assignment)
-    into `folder`."""
-    return f"--xla_dump_to={folder}"
+    into `folder`. `memory_scheduler`: the XLA CPU backend's memory-minimising scheduler instead of
+    its default concurrency-optimised one, which runs a checkpointed block's recomputation beside
+    its forward pass and so hides what activation checkpointing saves."""
+    flags = f"--xla_dump_to={folder}"
+    return flags + " --xla_cpu_enable_concurrency_optimized_scheduler=false" if memory_scheduler else flags
 
 
 @dataclass
@@ -59,7 +62,7 @@ def read_buffer_assignments(folder: str | Path) -> list[BufferAssignment]:
 
 
 _COLLECTIVE = re.compile(
-    r"= (\(?[a-z0-9]+\[[0-9,]*\][^ ]*(?:, [a-z0-9]+\[[0-9,]*\][^ ]*)*\)?) "
+    r"= (\([^()]*\)|[a-z0-9]+\[[0-9,]*\]\S*) "
     r"(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+)(\d*)\[([0-9,]*)\]")
 
@@ -75,11 +78,56 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.-]+) = (\([^()]*\)|\S+) ")
+_OPERAND = re.compile(r"%[\w.-]+")
+
+
+def collective_ops(hlo_text: str) -> list[tuple[str, int, int, str]]:
+    """Every collective of an optimized HLO module's text: (kind, bytes of its result per device,
+    devices in its group, result shape).
+
+    XLA CPU emits no reduce-scatter: it all-reduces and has each user keep its device's slice
+    (indexed by partition-id), where TPU's pipeline makes one reduce-scatter of the pattern. Such
+    an all-reduce is reported as the reduce-scatter, with the slice as its result."""
+    lines = hlo_text.splitlines()
+    users: dict[str, list[str]] = {}
+    for line in lines:
+        if m := _INSTRUCTION.match(line):
+            for name in set(_OPERAND.findall(line[m.end():])):
+                users.setdefault(name, []).append(line)
+    out = []
+    for line in lines:
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        if g := _GROUPS_IOTA.search(line):
+            group = int(g.group(2))
+        elif g := _GROUPS_LIST.search(line):
+            group = len(g.group(1).split(","))
+        else:  # collective-permute has source_target_pairs, not groups
+            group = 2
+        kind, shape, size = m.group(2), m.group(1), _shape_bytes(m.group(1))
+        name = _INSTRUCTION.match(line).group(1)
+        if kind == "all-reduce" and group > 1 and _keeps_slices(users.get(name, []), size // group):
+            kind, size = "reduce-scatter", size // group
+        out.append((kind, size, group, shape))
+    return out
+
+
+def _keeps_slices(user_lines: list[str], slice_bytes: int) -> bool:
+    """Whether every user indexes by partition-id and produces no more than one slice."""
+    return bool(user_lines) and all(
+        "%partition-id" in u and _shape_bytes(_INSTRUCTION.match(u).group(2)) <= slice_bytes
+        for u in user_lines)
+
+
 def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
-    """{kind: (count, bytes of their results per device)} of an optimized HLO module's text:
-    what one device receives (all-gather) or holds after each collective."""
+    """{kind: (count, bytes of their results per device)} of an optimized HLO module's text
+    (`collective_ops`): what one device receives (all-gather) or holds after each collective."""
     out: dict[str, tuple[int, int]] = {}
-    for shape, kind in _COLLECTIVE.findall(hlo_text):
-        count, size = out.get(kind, (0, 0))
-        out[kind] = (count + 1, size + _shape_bytes(shape))
+    for kind, size, _, _ in collective_ops(hlo_text):
+        count, total = out.get(kind, (0, 0))
+        out[kind] = (count + 1, total + size)
     return out

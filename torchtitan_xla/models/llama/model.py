@@ -84,7 +84,13 @@ class ScaledDotProductAttention(nn.Module):
     (attention_kernels.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # SDPA's decomposition (and `@`) folds batch and heads into one dimension, which cannot be
+        # split over two mesh axes: with a sharded batch, tensor parallelism would then gather
+        # every head onto every device. einsum keeps them apart.
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        probs = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).type_as(v)
+        return torch.einsum("bhqk,bhkd->bhqd", probs, v)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,158 @@
+"""The plan (torchtitan_xla/plan): its memory model against XLA's buffer assignment of the compiled
+step, its collectives theory against the step's optimized HLO, the command on every recipe, and
+its error lines. The compiled steps come from two subprocess runs shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+from torchtitan_xla.plan import memory
+from torchtitan_xla.plan.calibrate import audit_point, grid_point, measure
+
+RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256",
+           "llama3_70b": "v6e-256", "llama3_405b": "v5p-1024"}
+
+
+def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chunk):
+    return grid_point(n_layers=n_layers, dim=dim, heads=heads, seq=seq, batch=batch, vocab=vocab,
+                      policy=policy, attention=attention, chunk=chunk, mesh=mesh)
+
+
+# Depth, width, heads, seq, batch, vocabulary, AC policy, attention, loss chunk: each varies, in
+# the regime of real runs (at least 1024 tokens per device, more per FSDP group than vocabulary).
+ONE_DEVICE = [
+    _point("1", 2, 256, 16, 512, 2, 2256, "none", "sdpa", 0),
+    _point("1", 3, 128, 8, 256, 4, 4096, "full", "blockwise", 0),
+    _point("1", 4, 384, 16, 128, 8, 8192, "op", "sdpa", 128),
+    _point("1", 2, 256, 8, 512, 2, 2256, "every-2", "blockwise", 128),
+    _point("1", 3, 384, 8, 256, 4, 8192, "none", "blockwise", 128),
+    _point("1", 4, 128, 16, 256, 4, 2256, "full", "sdpa", 128),
+    _point("1", 3, 256, 16, 128, 8, 4096, "op", "blockwise", 0),
+    _point("1", 4, 256, 8, 256, 4, 4096, "every-2", "sdpa", 0),
+]
+FSDP8 = _point("fsdp8", 2, 256, 16, 256, 4, 2256, "none", "sdpa", 0)
+FSDP4_TP2 = _point("fsdp4tp2", 2, 256, 16, 256, 4, 2256, "none", "sdpa", 0)
+BROKEN = {**FSDP8, "replicate": ["layers.0.feed_forward.w1.weight"]}
+EIGHT_DEVICES = [
+    FSDP8, FSDP4_TP2, BROKEN,
+    _point("fsdp4tp2", 3, 128, 8, 512, 2, 4096, "full", "sdpa", 128),
+    _point("hsdp2x4", 2, 384, 16, 256, 4, 2256, "op", "sdpa", 0),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """{id(point): (point with its device count, what the compiler said)} for every point."""
+    out = {}
+    for devices, points in ((1, ONE_DEVICE), (8, EIGHT_DEVICES)):
+        for point, result in zip(points, measure(points, devices)):
+            out[id(point)] = ({**point, "devices": devices}, result)
+    return out
+
+
+def test_activation_model_within_10_percent_of_the_compiler(compiled):
+    """The plan's temporaries (gradients, saved activations, working set, loss, optimizer
+    temporaries) against the temp buffer XLA assigned the compiled step, at every grid point."""
+    errors = []
+    for point in [*ONE_DEVICE, *EIGHT_DEVICES]:
+        if point is BROKEN:
+            continue
+        row, result = compiled[id(point)]
+        shape, parameter_bytes = memory.calibration_shape(row)
+        predicted = memory.temporaries(shape, parameter_bytes)
+        errors.append((predicted / result["temp_bytes"] - 1, row["mesh"], shape))
+    worst = max(errors, key=lambda e: abs(e[0]))
+    assert abs(worst[0]) <= 0.10, worst
+
+
+def _audit(compiled, point):
+    return audit_point(*compiled[id(point)])
+
+
+def test_fsdp8_collectives_are_the_theory(compiled):
+    """Every parameter gathered forward and backward (the embedding forward only) and every
+    gradient reduce-scattered, and nothing else of size."""
+    found, expected, findings = _audit(compiled, FSDP8)
+    assert findings == []
+    for kind in ("all-gather", "reduce-scatter"):
+        assert found[kind] == pytest.approx(expected[kind], rel=0.05)
+    assert expected["all-reduce"] == expected["all-to-all"] == 0
+    assert found["all-to-all"] == found["collective-permute"] == 0
+    assert found["all-reduce"] < 1e3  # the loss's and the gradient norm's scalars
+
+
+def test_fsdp4_tp2_collectives_are_the_theory(compiled):
+    """FSDP's gathers and reduce-scatters of the tensor-parallel shards, plus sequence parallelism's
+    gathers and reduce-scatters of [tokens, dim] and the embedding's all-to-all; no head gathered."""
+    found, expected, findings = _audit(compiled, FSDP4_TP2)
+    assert findings == []
+    for kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        assert expected[kind] > 0
+        assert found[kind] == pytest.approx(expected[kind], rel=0.05)
+    assert found["collective-permute"] == 0
+
+
+def test_audit_names_a_parameter_left_out_of_fsdp(compiled):
+    """With one weight replicated instead of sharded, the audit names its gradient's all-reduce."""
+    found, expected, findings = _audit(compiled, BROKEN)
+    assert any(line.startswith("all-reduce f32[") and "layers.0.feed_forward.w1.weight" in line
+               for line in findings), findings
+    assert found["all-gather"] < expected["all-gather"]  # the replicated weight is not gathered
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchtitan_xla.plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_fits_its_slice(recipe):
+    """`run_train.sh --plan` prints a verdict for the recipe's own slice: each recipe fits it."""
+    p = subprocess.run([str(REPO / "run_train.sh"), "--plan"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "CONFIG_FILE": f"{recipe}.toml"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == f"verdict: FITS on {RECIPES[recipe]}"
+    assert "MFU at most" in p.stdout
+
+
+def test_plan_allocates_nothing_and_suggests_what_fits():
+    """405B on too small a slice, in-process: no XLA device is touched and the process stays
+    small (the model is on the meta device); the knob it names makes the job fit."""
+    code = (
+        "import resource, sys\n"
+        "from torchtitan_xla.plan.__main__ import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "print('torch_xla loaded:', 'torch_xla' in sys.modules)\n"
+        "print('maxrss_kib:', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sys.exit(rc)\n")
+    args = ["--job.config_file", "train_configs/llama3_8b.toml", "--activation_checkpoint.mode", "none",
+            "--model.attention", "sdpa"]
+    p = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "torch_xla loaded: False" in p.stdout
+    assert int(p.stdout.split("maxrss_kib:")[1].split()[0]) < 3 * 2**20  # < 3 GiB: 8B in float32 is 32
+    assert "does not fit by" in p.stdout
+    knob = p.stdout.split("would fit with:\n")[1].splitlines()[0].split("   (")[0].split()
+    assert _plan(*args, *knob).returncode == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--plan.tpu", "v9z-64"], "error: [plan] tpu = 'v9z-64': unknown TPU slice; expected"),
+    (["--plan.tpu", "v5p-3"], "error: [plan] tpu = 'v5p-3': a v5p slice size counts TensorCores"),
+    (["--plan.tpu", "v5p-256", "--parallelism.data_parallel_shard_degree", "64"],
+     "error: train_configs/llama3_70b.toml on v5p-256 (128 chips, one device each): [parallelism] "
+     "data_parallel_replicate_degree (1) x data_parallel_shard_degree (64) x tensor_parallel_degree "
+     "(4) = 256, but there are 128 devices"),
+    (["--plan.tpu", ""], "error: [plan] tpu is not set in train_configs/llama3_70b.toml"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    p = _plan("--job.config_file", "train_configs/llama3_70b.toml", *args)
+    assert p.returncode == 2
+    assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
+    assert p.stdout == ""

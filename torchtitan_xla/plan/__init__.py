@@ -1,0 +1,158 @@
+"""Know before paying for a pod: a job's per-device memory (with activations), the collectives of
+its step and a roofline on a TPU slice, from the config alone (a meta-device model, seconds).
+
+    python -m torchtitan_xla.plan --job.config_file train_configs/llama3_70b.toml [--plan.tpu v5p-256]
+    CONFIG_FILE=llama3_70b.toml ./run_train.sh --plan
+
+memory.py holds the memory model (calibrated against the XLA CPU backend's buffer assignment of the
+compiled step), comms.py the collectives' theory and the audit of a compiled step's HLO against it,
+tpus.py the chips' published figures, calibrate.py the compile-and-read runs behind both checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.errors import ConfigError
+
+from . import comms, memory
+from .tpus import Slice, parse_slice
+
+# A plan within this fraction of HBM is called tight: the memory model's error on its grid.
+TIGHT = 0.10
+
+
+@dataclass
+class Roofline:
+    """One optimizer step on one device: model FLOPs at the chip's peak, the FLOPs actually run
+    (with recomputation), and the bytes sent at its ICI bandwidth. A projection, not a measurement."""
+
+    model_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+
+    @property
+    def mfu_bound(self) -> float:
+        """MFU if communication hides entirely behind compute."""
+        return self.model_seconds / max(self.compute_seconds, self.comm_seconds)
+
+    @property
+    def mfu_serial(self) -> float:
+        """MFU if nothing overlaps."""
+        return self.model_seconds / (self.compute_seconds + self.comm_seconds)
+
+
+@dataclass
+class Plan:
+    slice: Slice
+    mesh: dict[str, int]
+    memory: memory.Memory
+    collectives: dict[str, float]  # bytes sent per device per step, by kind
+    roofline: Roofline
+    knobs: list[tuple[list[str], int]] = field(default_factory=list)  # (flags, total bytes) that fit
+
+    @property
+    def hbm(self) -> int:
+        return self.slice.chip.hbm_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hbm
+
+    @property
+    def tight(self) -> bool:
+        return self.fits and self.memory.total > (1 - TIGHT) * self.hbm
+
+
+def recompute_factor(policy: str) -> float:
+    """FLOPs run per model FLOP: a fully recomputed block runs its forward (a third) twice."""
+    if policy == "full":
+        return 4 / 3
+    if policy.startswith("every-"):
+        return 1 + 1 / (3 * int(policy.removeprefix("every-")))
+    return 1.0  # none; op recomputes only elementwise work
+
+
+def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
+               argv: list[str] | None = None) -> Plan:
+    """The plan of `job_config` on slice `tpu`; `argv` (the command line that made the config) lets
+    it try the knobs that would make a job that does not fit fit."""
+    from torchtitan_xla.metrics import num_flops_per_token
+    from torchtitan_xla.parallelisms import MESH_AXES, ParallelDims
+
+    target = parse_slice(tpu)
+    if job_config.parallelism.num_slices > 1:
+        raise ConfigError("[parallelism] num_slices > 1: the plan covers one slice (ICI); "
+                          "plan one slice's share of the job")
+    try:
+        dims = ParallelDims.from_config(job_config.parallelism, target.chips)
+        mem = memory.estimate(job_config, dims)
+    except ConfigError as e:
+        raise ConfigError(f"{job_config.job.config_file or 'config'} on {tpu} ({target.chips} "
+                          f"chips, one device each): {e}") from None
+    args, model = memory.build_meta_model(job_config)
+    training = job_config.training
+    global_batch = (training.global_batch_size if training.global_batch_size > 0
+                    else training.local_batch_size * dims.dp_degree)
+    microbatches = global_batch // (training.local_batch_size * dims.dp_degree)
+    policy = memory.activation_shape(job_config, args, dims, training.local_batch_size).policy
+    act_bytes = 2 if training.mixed_precision_param == "bfloat16" else 4
+    sent = comms.theory(model, dims, tokens=training.local_batch_size * training.seq_len,
+                        microbatches=microbatches, policy=policy, act_bytes=act_bytes)
+    flops = num_flops_per_token(args, model.num_params(exclude_embedding=True), training.seq_len)
+    tokens_per_device = global_batch * training.seq_len / target.chips
+    model_seconds = flops * tokens_per_device / target.chip.peak_bf16_flops
+    roofline = Roofline(model_seconds, model_seconds * recompute_factor(policy),
+                        sum(sent.values()) / target.chip.ici_bytes_per_s)
+    plan = Plan(target, dict(zip(MESH_AXES, dims.mesh_shape)), mem, sent, roofline)
+    if with_knobs and not plan.fits and argv is not None:
+        plan.knobs = _knobs_that_fit(job_config, argv, tpu, global_batch)
+    return plan
+
+
+def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
+                    global_batch: int) -> list[tuple[list[str], int]]:
+    """Each single change that makes the job fit (activation checkpointing, the attention kernel,
+    loss chunking, half the local batch with gradient accumulation keeping the global batch, FSDP
+    over the replicas, a slice twice the size); if none does, all the memory savers at once."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    keep_global = ["--training.global_batch_size", str(global_batch)]
+    savers = []
+    if ac.mode != "full":
+        savers += [["--activation_checkpoint.mode", "selective",
+                    "--activation_checkpoint.selective_ac_option", "op"],
+                   ["--activation_checkpoint.mode", "full"]]
+    if cfg.model.attention in ("sdpa", "blockwise"):
+        savers.append(["--model.attention", "splash"])
+    if cfg.loss.chunk_size == 0 and (t.local_batch_size * t.seq_len) % 1024 == 0:
+        savers.append(["--loss.chunk_size", "1024"])
+    if t.local_batch_size > 1:
+        savers.append(["--training.local_batch_size", str(t.local_batch_size // 2), *keep_global])
+    target = parse_slice(tpu)
+    bigger = f"{target.chip.name}-{2 * target.chips * target.chip.cores_per_chip}"
+    scale = [["--plan.tpu", bigger, *keep_global]]
+    if cfg.parallelism.data_parallel_replicate_degree > 1:
+        scale.insert(0, ["--parallelism.data_parallel_replicate_degree", "1"])
+    fitting = []
+    for flags in [*savers, *scale]:
+        plan = _plan_with(argv, flags)
+        if plan and plan.fits:
+            fitting.append((flags, plan.memory.total))
+    if not fitting and savers:
+        together = [x for flags in savers if "selective" not in flags  # full recomputation instead
+                    and "--training.local_batch_size" not in flags for x in flags]
+        together += ["--training.local_batch_size", "1", *keep_global]
+        plan = _plan_with(argv, together)
+        if plan and plan.fits:
+            fitting.append((together, plan.memory.total))
+    return fitting
+
+
+def _plan_with(argv: list[str], flags: list[str]) -> Plan | None:
+    """The plan with `flags` added to the command line; None if they make it invalid."""
+    try:
+        cfg = parse_args([*argv, *flags])
+        return build_plan(cfg, cfg.plan.tpu, with_knobs=False)
+    except ConfigError:
+        return None

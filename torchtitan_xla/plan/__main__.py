@@ -1,0 +1,70 @@
+"""`python -m torchtitan_xla.plan --job.config_file X.toml [--plan.tpu v5p-256] [flags]`: whether
+the job fits the slice's HBM, with what margin, what would make it fit, its collectives and its
+roofline. Exit 0: fits; 1: does not fit; 2: bad input (one line)."""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan_xla.config import parse_args
+from torchtitan_xla.errors import ConfigError, run_main
+
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def report(plan, cfg) -> str:
+    m, r, chip = plan.memory, plan.roofline, plan.slice.chip
+    t, ac = cfg.training, cfg.activation_checkpoint
+    policy = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
+    loss = f"chunks of {cfg.loss.chunk_size} tokens" if cfg.loss.chunk_size else "full logits"
+    mesh = " x ".join(f"{k} {v}" for k, v in plan.mesh.items())
+    name, shape, spec = m.largest_shard
+    lines = [
+        f"{cfg.model.name} {cfg.model.flavor} on {plan.slice.name}: {plan.slice.chips} {chip.name} chips, "
+        f"{chip.hbm_bytes / GiB:g} GiB HBM each; mesh {mesh}",
+        "per device:",
+        f"  parameters   {_gib(m.parameters)}   (float32; largest shard {name} {list(shape)} {spec})",
+        f"  gradients    {_gib(m.gradients)}",
+        f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name})",
+        f"  activations  {_gib(m.activations)}   (seq {t.seq_len} x batch {t.local_batch_size} per rank, "
+        f"AC {policy}, attention {cfg.model.attention}, loss on {loss}, {t.mixed_precision_param})",
+        f"  total        {_gib(m.total)}   of {chip.hbm_bytes / GiB:g} GiB: "
+        + (f"fits, margin {(plan.hbm - m.total) / GiB:.2f} GiB"
+           + (" (tight: within the memory model's 10%)" if plan.tight else "")
+           if plan.fits else f"does not fit by {(m.total - plan.hbm) / GiB:.2f} GiB"),
+    ]
+    if not plan.fits:
+        lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
+                     "loss chunks, smaller batch, more FSDP, a slice twice the size)")
+        lines += [f"    {' '.join(flags)}   ({(total) / GiB:.2f} GiB)" for flags, total in plan.knobs]
+    sent = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in plan.collectives.items() if v)
+    lines += [
+        f"collectives per device per step (theory): {sent or 'none'}",
+        f"roofline per step: compute {r.compute_seconds:.3f} s at {chip.peak_bf16_flops / 1e12:g} TFLOP/s "
+        f"(model FLOPs {r.model_seconds:.3f} s), communication {r.comm_seconds:.3f} s at "
+        f"{chip.ici_bytes_per_s / 1e9:g} GB/s ICI",
+        f"  MFU at most {r.mfu_bound:.0%} (communication hidden), {r.mfu_serial:.0%} if nothing "
+        f"overlaps: a projection from published peaks, not measured on TPU (docs/plan.md)",
+        f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'} on {plan.slice.name}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from torchtitan_xla.plan import build_plan
+
+    cfg = parse_args(argv)
+    if not cfg.plan.tpu:
+        raise ConfigError(f"[plan] tpu is not set in {cfg.job.config_file or 'the config'}: name "
+                          f"the slice to plan for, e.g. --plan.tpu v5p-256")
+    plan = build_plan(cfg, cfg.plan.tpu, argv=argv)
+    print(report(plan, cfg))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(lambda: main(sys.argv[1:])))

@@ -1,0 +1,145 @@
+"""What the compiler says: compile the training step of small configurations and read back XLA's
+buffer assignment (temporary bytes per device) and the collectives of its optimized HLO.
+
+    python -m torchtitan_xla.plan.calibrate --devices 8 POINTS.json
+
+Each point is {"args": [train.py flags], "model": {ModelArgs overrides}}; every point runs one
+step of train.main in this process (one process per device count, since XLA fixes it at start)
+and prints one JSON line. XLA's memory-minimising scheduler is used (`dump_flags`): with the CPU
+backend's default one, activation checkpointing saves nothing in the compiled program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MESH_FLAGS = {  # mesh name -> the [parallelism] flags that build it (data_parallel_shard_degree -1)
+    "1": [], "fsdp8": [], "fsdp4tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "hsdp2x4": ["--parallelism.data_parallel_replicate_degree", "2"],
+}
+
+
+def grid_point(*, n_layers: int, dim: int, heads: int, seq: int, batch: int, vocab: int, policy: str,
+               attention: str, chunk: int, mesh: str, ffn_multiplier: float | None = None) -> dict:
+    """A calibration point: the debug recipe in float32 with these sizes and options. `policy` is
+    none, full, op or every-N; `ffn_multiplier` scales the FFN's hidden size (ModelArgs'
+    ffn_dim_multiplier), so that it does not grow in step with dim."""
+    ac = ({"none": ["none"], "full": ["full"]}.get(policy)
+          or ["selective", "--activation_checkpoint.selective_ac_option", policy.removeprefix("every-")])
+    args = ["--job.config_file", "train_configs/debug_model.toml",
+            "--model.attention", attention, "--activation_checkpoint.mode", *ac,
+            "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
+            "--loss.chunk_size", str(chunk), *MESH_FLAGS[mesh]]
+    model = {"n_layers": n_layers, "dim": dim, "n_heads": heads, "vocab_size": vocab,
+             "ffn_dim_multiplier": ffn_multiplier}
+    return {"args": args, "model": model, "mesh": mesh}
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def repo_args(args: list[str]) -> list[str]:
+    """A point's train.py flags with its config file (relative to the repository) made absolute."""
+    i = args.index("--job.config_file") + 1
+    return [*args[:i], str(REPO / args[i]), *args[i + 1:]]
+
+
+def measure(points: list[dict], devices: int, *, timeout: int = 1200) -> list[dict]:
+    """[{"temp_bytes": int, "collectives": [[kind, result_bytes, group_size, shape], ...]}] per
+    point, each from its own compiled step on `devices` virtual XLA CPU devices."""
+    from torchtitan_xla.runtime.compiled import dump_flags
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "points.json")
+        spec.write_text(json.dumps(points))
+        flags = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(Path(tmp, 'xla'), memory_scheduler=True)}"
+        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), XLA_FLAGS=flags.strip())
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        p = subprocess.run([sys.executable, "-m", "torchtitan_xla.plan.calibrate", str(spec),
+                            "--dump", str(Path(tmp, "xla")), "--run", str(Path(tmp, "run"))],
+                           capture_output=True, text=True, env=env, timeout=timeout)
+        results = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+        if p.returncode or len(results) != len(points):
+            raise RuntimeError(f"calibration run failed ({p.returncode}):\n{p.stderr[-4000:]}")
+        return results
+
+
+def audit_point(row: dict, result: dict) -> tuple[dict, dict, list[str]]:
+    """(bytes sent by kind as compiled, as the theory says, the audit's findings) of a measured
+    point (`grid_point` with its device count and what `measure` returned for it)."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+
+    from . import comms
+    from .memory import activation_shape, build_meta_model
+
+    cfg = parse_args(repo_args(row["args"]))
+    dims = ParallelDims.from_config(cfg.parallelism, row["devices"])
+    args, model = build_meta_model(cfg, **row["model"])
+    t = cfg.training
+    expected = comms.theory(model, dims, tokens=t.local_batch_size * t.seq_len, microbatches=1,
+                            policy=activation_shape(cfg, args, dims, t.local_batch_size).policy)
+    ops = [tuple(op) for op in result["collectives"]]
+    findings = comms.audit(ops, expected, parameters=comms.parameters_by_shape(model))
+    return comms.measured(ops), expected, findings
+
+
+def _run(points: list[dict], dump: Path, run_folder: Path) -> None:
+    sys.path.insert(0, str(REPO))
+    import train
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.runtime.compiled import collective_ops, parse_buffer_assignment
+
+    seen: set[Path] = set()
+    for point in points:
+        args = [*repo_args(point["args"]), "--job.dump_folder", str(run_folder), "--job.no-print_config",
+                "--training.steps", "1", "--metrics.log_freq", "1", "--checkpoint.no-enable"]
+        with _left_out_of_fsdp(point.get("replicate", [])):
+            train.main(parse_args(args), model_overrides=point.get("model", {}))
+        new = sorted(set(dump.glob("*after_optimizations-buffer-assignment.txt")) - seen)
+        seen.update(new)
+        # The training step is the largest program a run compiles (the init graph is smaller).
+        assignments = [(parse_buffer_assignment(f.read_text()), f) for f in new]
+        step, path = max(assignments, key=lambda a: a[0].temp_bytes)
+        hlo = Path(str(path).replace("-buffer-assignment.txt", ".txt")).read_text()
+        print("RESULT " + json.dumps({"temp_bytes": step.temp_bytes, "collectives": collective_ops(hlo)}),
+              flush=True)
+
+
+@contextlib.contextmanager
+def _left_out_of_fsdp(names: list[str]):
+    """Replicate these parameters instead of sharding them over `fsdp`: a broken sharding, for the
+    test that the collectives audit names what it costs."""
+    pl = importlib.import_module("torchtitan_xla.parallelisms.parallelize_llama")
+    original = pl.apply_fsdp
+
+    def apply_fsdp(model, mesh, parallel_dims):
+        original(model, mesh, parallel_dims)
+        for name, param in model.named_parameters():
+            if name in names:
+                spec = tuple(None if axis == "fsdp" else axis for axis in pl.partition_spec(param))
+                pl.shard_param(param, mesh, spec)
+
+    pl.apply_fsdp = apply_fsdp
+    try:
+        yield
+    finally:
+        pl.apply_fsdp = original
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("points")
+    ap.add_argument("--dump", required=True, help="the folder XLA_FLAGS' --xla_dump_to names")
+    ap.add_argument("--run", required=True, help="dump_folder for the runs")
+    a = ap.parse_args()
+    _run(json.loads(Path(a.points).read_text()), Path(a.dump), Path(a.run))

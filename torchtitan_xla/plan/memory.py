@@ -1,0 +1,234 @@
+"""Per-device memory of a training step, from a meta-device model: nothing is allocated.
+
+State (parameters, gradients, optimizer state) comes from each parameter's shard shape under the
+partition spec the parallelize code assigns (`param_specs`, the function apply_tp / apply_fsdp
+use), so it follows the code. The step's temporaries (gradients, saved activations, one block's
+backward working set, the loss's buffers, whole weights between an FSDP gather and their last use,
+the optimizer's temporaries) come from a linear model per activation-checkpointing policy over
+`FEATURES`: per token, per block and once, multiples of dim, FFN hidden size and heads x seq (the
+attention scores; none for Pallas flash / splash, whose memory is O(seq)) divided over tensor
+parallelism; logits; and the weights' bytes. Its `COEFFICIENTS` were fitted to XLA's own buffer
+assignment of the compiled step on the CPU backend, in the regime of real runs (activations
+outweigh the sharded weights; bench/bench_plan.py); tests/test_plan.py compiles a separate grid
+of shapes, policies and meshes and holds the model within 10% of the compiler. Every-N-th-block
+checkpointing combines the `none` and `full` blocks.
+
+On paper only (not verified on TPU): bfloat16 activations as half the float32 ones (the CPU
+backend computes bfloat16 matmuls in float32, so it cannot measure them), flash / splash, scan as
+unrolled blocks, and TPU's own scheduler and rematerialisation (XLA TPU may trade compute for
+memory on its own when a program does not fit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchtitan_xla.config import JobConfig
+
+# float32 master weights and gradients; optimizer state tensors in float32, per parameter element.
+BYTES_PARAM = BYTES_GRAD = BYTES_STATE = 4
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "Lion": 1, "Muon": 1, "Adafactor": 0}  # Adafactor: O(rows + cols)
+# Vocabulary of the real tokenizers, used when the tokenizer file is not at hand.
+DEFAULT_VOCAB = {"llama2": 32000, "llama3": 128256}
+
+# Per token, as multiples of (dim, FFN hidden size, heads x seq with sdpa, heads x seq with
+# blockwise): what the blocks of each kind keep for their backward (times their number), and what
+# one block's backward holds; then once per step: logits, and the weights' bytes.
+FEATURES = (
+    *(f"{kind} blocks x {x}" for kind in ("full", "kept", "op")
+      for x in ("dim", "ffn", "scores sdpa", "scores blockwise")),
+    "working dim", "working ffn", "working scores sdpa", "working scores blockwise",
+    "T·vocab", "chunk·vocab", "vocabulary weights", "other weights", "gathered vocabulary weights",
+    "gathered block weights", "chunked loss's weight gradient")
+# What each policy's blocks can keep: a recomputed block only its input, an `op` block the outputs
+# of its matmuls (no scores); everything else stays at 0, so the fit extrapolates as the code does.
+_BLOCK = {"full": [0], "kept": [4, 5, 6, 7], "op": [8, 9]}
+_STEP = list(range(12, 23))
+USED = {"full": _BLOCK["full"] + _STEP, "none": _BLOCK["kept"] + _STEP, "op": _BLOCK["op"] + _STEP,
+        "every-N": _BLOCK["full"] + _BLOCK["kept"] + _STEP}
+# One fit per activation-checkpointing policy (every-N: any N, fitted on N = 2) on one device and
+# on meshes (whose programs also gather weights and reduce gradients), by `python
+# bench/bench_plan.py --fit bench/data/plan_grid.jsonl`: the first twenty in elements of the
+# compute dtype, the rest in bytes per byte.
+COEFFICIENTS: dict[str, tuple[float, ...]] = {
+    "every-N, 1 device": (
+        28.94, 0, 0, 0, 4.463, 4.227, 0.2257, 0.4639, 0, 0, 0, 0, 0, 0.3277, 3.753, 1.385,
+        1.111, 8.685, 0, 0, 0, 0, 0),
+    "every-N, mesh": (
+        21.87, 0, 0, 0, 0, 5.796, 0.1221, 0, 0, 0, 0, 0, 0, 2.142, 4.05, 1.954, 2.095, 0, 0,
+        2.065, 0, 0, 0),
+    "full, 1 device": (
+        7.389, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4.609, 2.787, 1.465, 1.112, 0, 1.58, 0, 0, 0,
+        0),
+    "full, mesh": (
+        1.445, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10.29, 5.873, 2.711, 1.477, 1.96, 0, 0, 2.106,
+        0, 0.1416, 0),
+    "none, 1 device": (
+        0, 0, 0, 0, 5.231, 4.758, 1.11, 0.769, 0, 0, 0, 0, 9.486, 1.07, 1.187, 0.2792, 1.728, 0,
+        1.272, 0.1362, 0, 0, 0),
+    "none, mesh": (
+        0, 0, 0, 0, 3.859, 5.23, 0.9569, 0.6534, 0, 0, 0, 0, 0, 0.2764, 1.812, 0.663, 2.524, 0,
+        0, 2.661, 0.8063, 0, 0),
+    "op, 1 device": (
+        0, 0, 0, 0, 0, 0, 0, 0, 5.332, 4.775, 0, 0, 0, 0, 2.578, 1.65, 1.758, 2.558, 1.259, 0,
+        0, 0, 0),
+    "op, mesh": (
+        0, 0, 0, 0, 0, 0, 0, 0, 10.87, 4.213, 0, 0, 0, 0, 2.542, 1.456, 2.149, 0, 0, 0, 0, 0, 0),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the activation model reads: sizes per data-parallel rank and microbatch."""
+
+    n_layers: int
+    dim: int
+    ffn: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int  # sequences per data-parallel rank per microbatch
+    tp: int
+    policy: str  # none | full | op | every-N (block-level selective)
+    attention: str
+    chunk: int  # loss chunk size, 0: full logits
+    act_bytes: int  # 4 for float32, 2 for bfloat16 compute
+    fsdp: int = 1
+    devices: int = 1
+
+
+@dataclass
+class Memory:
+    """Bytes per device."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    temporaries: int  # the compiled step's temporary buffer; holds the gradients
+    largest_shard: tuple[str, tuple[int, ...], tuple]  # name, local shape, partition spec
+
+    @property
+    def activations(self) -> int:
+        """Temporaries beyond the gradients: saved activations, working set, loss, optimizer."""
+        return self.temporaries - self.gradients
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer + self.temporaries
+
+
+def shard_shape(shape: tuple[int, ...], spec: tuple, axis_sizes: dict[str, int]) -> tuple[int, ...]:
+    """Local shape of a tensor sharded by `spec` (XLA pads uneven shards: ceil division)."""
+    out = []
+    for size, axes in zip(shape, spec):
+        names = (axes,) if isinstance(axes, str) else (axes or ())
+        out.append(math.ceil(size / math.prod(axis_sizes[a] for a in names)))
+    return tuple(out)
+
+
+def build_meta_model(job_config: JobConfig, vocab_size: int | None = None, **overrides):
+    """(model args, the model on the meta device)."""
+    import torch
+
+    from torchtitan_xla.datasets.tokenizer.train_bpe import DEFAULT_VOCAB_SIZE
+    from torchtitan_xla.models import get_model_args, get_model_class
+
+    name = job_config.model.name
+    if vocab_size is None:  # the tokenizer's, without reading it: the project's own, or Meta's
+        vocab_size = (DEFAULT_VOCAB_SIZE + 256 if not job_config.model.tokenizer_path
+                      else DEFAULT_VOCAB[name])
+    args = get_model_args(name, job_config.model.flavor, **{
+        "vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, **overrides})
+    with torch.device("meta"):
+        return args, get_model_class(name)(args)
+
+
+def local_parameters(model, parallel_dims) -> tuple[int, tuple[str, tuple[int, ...], tuple]]:
+    """(parameter elements on the most loaded device, the largest shard: name, shape, spec)."""
+    from torchtitan_xla.parallelisms import MESH_AXES
+    from torchtitan_xla.parallelisms.parallelize_llama import param_specs
+
+    sizes = dict(zip(MESH_AXES, parallel_dims.mesh_shape))
+    specs = param_specs(model, parallel_dims)
+    total, largest = 0, ("", (), ())
+    for name, p in model.named_parameters():
+        local = shard_shape(tuple(p.shape), specs[name], sizes)
+        total += math.prod(local)
+        if math.prod(local) > math.prod(largest[1] or (0,)):
+            largest = (name, local, specs[name])
+    return total, largest
+
+
+def activation_shape(job_config: JobConfig, args, parallel_dims, microbatch: int) -> Shape:
+    ac = job_config.activation_checkpoint
+    policy = ac.mode if ac.mode != "selective" else (
+        "op" if ac.selective_ac_option == "op" else f"every-{ac.selective_ac_option}")
+    return Shape(args.n_layers, args.dim, args.ffn_hidden_dim, args.n_heads, args.vocab_size,
+                 job_config.training.seq_len, microbatch, parallel_dims.tp, policy,
+                 job_config.model.attention, job_config.loss.chunk_size,
+                 2 if job_config.training.mixed_precision_param == "bfloat16" else 4, parallel_dims.dp_shard,
+                 parallel_dims.world_size)
+
+
+def features(s: Shape, parameter_bytes: int) -> list[float]:
+    """`FEATURES` in bytes. Under FSDP a weight is whole on every device from its gather to its
+    last use, and its gradient before the reduction."""
+    t, e = s.seq * s.batch, s.act_bytes
+    scores = s.heads * s.seq
+    per_token = [x * t * e / s.tp for x in (s.dim, s.ffn, scores * (s.attention == "sdpa"),
+                                             scores * (s.attention == "blockwise"))]
+    full = (s.n_layers // int(s.policy.removeprefix("every-")) if s.policy.startswith("every-")
+            else s.n_layers * (s.policy == "full"))
+    op = s.n_layers * (s.policy == "op")
+    blocks = [full, s.n_layers - full - op, op]
+    vocabulary = 2 * s.vocab * s.dim / s.tp * BYTES_PARAM  # embedding and output, per tp shard
+    block = (4 * s.dim + 3 * s.ffn) * s.dim / s.tp * BYTES_PARAM
+    return ([n * x for n in blocks for x in per_token] + per_token
+            + [t * s.vocab / s.tp * e * (s.chunk == 0), s.chunk * s.vocab * e, vocabulary / s.fsdp,
+               parameter_bytes - vocabulary / s.fsdp, vocabulary * (s.fsdp > 1),
+               block * (s.fsdp > 1), vocabulary / 2 * (s.chunk > 0)])
+
+
+def fit_group(s: Shape) -> str:
+    """Which coefficients: per policy (every-N for any N), one device or a mesh (whose program
+    also gathers weights and reduces gradients)."""
+    policy = "every-N" if s.policy.startswith("every-") else s.policy
+    return f"{policy}, {'mesh' if s.devices > 1 else '1 device'}"
+
+
+def temporaries(s: Shape, parameter_bytes: int) -> int:
+    """The compiled step's temporary bytes per device, from `COEFFICIENTS`."""
+    c = COEFFICIENTS[fit_group(s)]
+    return int(sum(a * x for a, x in zip(c, features(s, parameter_bytes))))
+
+
+def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None,
+             **overrides) -> Memory:
+    args, model = build_meta_model(job_config, vocab_size, **overrides)
+    parallel_dims.check_model(args.n_heads, args.kv_heads, args.dim, args.ffn_hidden_dim)
+    elements, largest = local_parameters(model, parallel_dims)
+    training = job_config.training
+    global_batch = (training.global_batch_size if training.global_batch_size > 0
+                    else training.local_batch_size * parallel_dims.dp_degree)
+    parallel_dims.check_batch(global_batch, training.local_batch_size, training.seq_len, 1)
+    shape = activation_shape(job_config, args, parallel_dims, training.local_batch_size)
+    states = OPTIMIZER_STATES[job_config.optimizer.name]
+    return Memory(parameters=elements * BYTES_PARAM, gradients=elements * BYTES_GRAD,
+                  optimizer=elements * states * BYTES_STATE,
+                  temporaries=temporaries(shape, elements * BYTES_PARAM), largest_shard=largest)
+
+
+def calibration_shape(row: dict) -> tuple[Shape, int]:
+    """(Shape, parameter bytes per device) of a calibration point (plan/calibrate.py `grid_point`
+    with the device count it ran on)."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+
+    from .calibrate import repo_args
+
+    cfg = parse_args(repo_args(row["args"]))
+    dims = ParallelDims.from_config(cfg.parallelism, row["devices"])
+    args, model = build_meta_model(cfg, **row["model"])
+    elements, _ = local_parameters(model, dims)
+    return activation_shape(cfg, args, dims, cfg.training.local_batch_size), elements * BYTES_PARAM
