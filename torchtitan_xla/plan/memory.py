@@ -4,14 +4,14 @@ State (parameters, gradients, optimizer state) comes from each parameter's shard
 partition spec the parallelize code assigns (`param_specs`, the function apply_tp / apply_fsdp
 use), so it follows the code. The step's temporaries (gradients, saved activations, one block's
 backward working set, the loss's buffers, whole weights between an FSDP gather and their last use,
-the optimizer's temporaries) come from a linear model per activation-checkpointing policy over
-`FEATURES`: per token, per block and once, multiples of dim, FFN hidden size and heads x seq (the
-attention scores; none for Pallas flash / splash, whose memory is O(seq)) divided over tensor
-parallelism; logits; and the weights' bytes. Its `COEFFICIENTS` were fitted to XLA's own buffer
-assignment of the compiled step on the CPU backend, in the regime of real runs (activations
-outweigh the sharded weights; bench/bench_plan.py); tests/test_plan.py compiles a separate grid
-of shapes, policies and meshes and holds the model within 10% of the compiler. Every-N-th-block
-checkpointing combines the `none` and `full` blocks.
+the optimizer's temporaries) come from a linear model per activation-checkpointing policy, on one
+device or on a mesh, over `FEATURES`: per token, per block and once, multiples of dim, FFN hidden
+size and heads x seq (the attention scores; none for Pallas flash / splash, whose memory is
+O(seq)) divided over tensor parallelism; logits; and the weights' bytes. Its `COEFFICIENTS` were
+fitted to XLA's own buffer assignment of 354 compiled steps on the CPU backend, in the regime of
+real runs (activations outweigh the sharded weights): worst error 8.6%, on points the fit did not
+see about 5% rms and up to 22% (docs/plan.md); tests/test_plan.py compiles a grid of shapes,
+policies and meshes and holds the model within 10% of the compiler.
 
 On paper only (not verified on TPU): bfloat16 activations as half the float32 ones (the CPU
 backend computes bfloat16 matmuls in float32, so it cannot measure them), flash / splash, scan as
