@@ -143,8 +143,12 @@ def test_plan_allocates_nothing_and_suggests_what_fits():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--plan.tpu", "v9z-64"], "error: [plan] tpu = 'v9z-64': unknown TPU slice; expected"),
-    (["--plan.tpu", "v5p-3"], "error: [plan] tpu = 'v5p-3': a v5p slice size counts TensorCores"),
+    (["--plan.tpu", "v9z-64"],
+     "error: train_configs/llama3_70b.toml: [plan] tpu = 'v9z-64': unknown TPU slice; expected"),
+    (["--plan.tpu", "v5p-3"],
+     "error: train_configs/llama3_70b.toml: [plan] tpu = 'v5p-3': a v5p slice size counts TensorCores"),
+    (["--plan.tpu", "v5p-256", "--parallelism.num_slices", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+     "error: train_configs/llama3_70b.toml: [parallelism] num_slices > 1: the plan covers one slice"),
     (["--plan.tpu", "v5p-256", "--parallelism.data_parallel_shard_degree", "64"],
      "error: train_configs/llama3_70b.toml on v5p-256 (128 chips, one device each): [parallelism] "
      "data_parallel_replicate_degree (1) x data_parallel_shard_degree (64) x tensor_parallel_degree "

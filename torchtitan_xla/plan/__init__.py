@@ -81,16 +81,19 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
     from torchtitan_xla.metrics import num_flops_per_token
     from torchtitan_xla.parallelisms import MESH_AXES, ParallelDims
 
-    target = parse_slice(tpu)
+    source = job_config.job.config_file or "the command line"
+    try:
+        target = parse_slice(tpu)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     if job_config.parallelism.num_slices > 1:
-        raise ConfigError("[parallelism] num_slices > 1: the plan covers one slice (ICI); "
-                          "plan one slice's share of the job")
+        raise ConfigError(f"{source}: [parallelism] num_slices > 1: the plan covers one slice "
+                          f"(ICI); plan one slice's share of the job")
     try:
         dims = ParallelDims.from_config(job_config.parallelism, target.chips)
         mem = memory.estimate(job_config, dims)
     except ConfigError as e:
-        raise ConfigError(f"{job_config.job.config_file or 'config'} on {tpu} ({target.chips} "
-                          f"chips, one device each): {e}") from None
+        raise ConfigError(f"{source} on {tpu} ({target.chips} chips, one device each): {e}") from None
     args, model = memory.build_meta_model(job_config)
     training = job_config.training
     global_batch = (training.global_batch_size if training.global_batch_size > 0
