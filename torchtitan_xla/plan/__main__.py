@@ -22,6 +22,8 @@ def report(plan, cfg) -> str:
     policy = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
     loss = f"chunks of {cfg.loss.chunk_size} tokens" if cfg.loss.chunk_size else "full logits"
     mesh = " x ".join(f"{k} {v}" for k, v in plan.mesh.items())
+    ranks = plan.mesh["dp_replicate"] * plan.mesh["fsdp"]
+    microbatches = max(t.global_batch_size // (t.local_batch_size * ranks), 1)
     name, shape, spec = m.largest_shard
     lines = [
         f"{cfg.model.name} {cfg.model.flavor} on {plan.slice.name}: {plan.slice.chips} {chip.name} chips, "
@@ -30,7 +32,8 @@ def report(plan, cfg) -> str:
         f"  parameters   {_gib(m.parameters)}   (float32; largest shard {name} {list(shape)} {spec})",
         f"  gradients    {_gib(m.gradients)}",
         f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name})",
-        f"  activations  {_gib(m.activations)}   (seq {t.seq_len} x batch {t.local_batch_size} per rank, "
+        f"  activations  {_gib(m.activations)}   (seq {t.seq_len} x batch {t.local_batch_size} per rank"
+        + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "") + ", "
         f"AC {policy}, attention {cfg.model.attention}, loss on {loss}, {t.mixed_precision_param})",
         f"  total        {_gib(m.total)}   of {chip.hbm_bytes / GiB:g} GiB: "
         + (f"fits, margin {(plan.hbm - m.total) / GiB:.2f} GiB"
