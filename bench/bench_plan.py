@@ -31,8 +31,10 @@ MESHES = {1: ["1"], 8: ["fsdp8", "fsdp4tp2", "hsdp2x4"]}
 FSDP_DEGREE = {"1": 1, "fsdp8": 8, "fsdp4tp2": 4, "hsdp2x4": 4}
 # Programs the audit shows gathering what they should not (docs/plan.md): left out of the fit,
 # whose model is of well-partitioned steps. Blockwise attention's products fold batch and heads
-# into one dimension, so under fsdp x tp XLA gathers the heads; the chunked loss's loop under a
-# batch split over two axes (HSDP) gathers its [vocabulary, tokens] buffers over all devices.
+# into one dimension, so under fsdp x tp XLA gathers the heads; under HSDP (a batch split over two
+# axes) blockwise attention with the chunked loss makes XLA gather the loss loop's [vocabulary,
+# tokens] buffers over all devices (sdpa with the chunked loss does not; all of HSDP's chunked
+# points are left out all the same).
 KNOWN_GATHERS = {("fsdp4tp2", "blockwise"), ("hsdp2x4", True)}
 
 
