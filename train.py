@@ -40,7 +40,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.float8 import convert_to_float8_training
     from torchtitan_xla.launch import host_identity, init_host_group
     from torchtitan_xla.logging import init_logger, logger
-    from torchtitan_xla.losses import build_loss_fn
+    from torchtitan_xla.lora import apply_lora, frozen_matmul_params, init_adapters
+    from torchtitan_xla.losses import IGNORE_INDEX, build_loss_fn
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, get_model_class
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
@@ -110,13 +111,14 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                               model_args.ffn_hidden_dim)
     with torch.device("meta"):
         model = get_model_class(job_config.model.name)(model_args)
-    num_params = model.num_params()
-    flops_per_token = num_flops_per_token(model_args, model.num_params(exclude_embedding=True),
-                                          training.seq_len)
-    logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {num_params:,} parameters, "
-                f"vocab {model_args.vocab_size}")
-    # Float8 linears replace nn.Linear before parallelize, which finds their weights by name.
+    logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} "
+                f"parameters, vocab {model_args.vocab_size}")
+    # Float8 linears replace nn.Linear before parallelize, which finds their weights by name; LoRA
+    # freezes the model and adds adapters beside the target weights, under their layers' names.
     convert_to_float8_training(model, job_config.float8)
+    apply_lora(model, job_config.lora)
+    flops_per_token = num_flops_per_token(model_args, model.num_params(exclude_embedding=True),
+                                          training.seq_len, frozen=frozen_matmul_params(model))
     apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
 
     # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
@@ -124,6 +126,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     model.to_empty(device=device)
     parallelize_llama(model, mesh, parallel_dims, job_config)
     model.init_weights()
+    init_adapters(model)  # LoRA: A random, B zero, so the adapted model starts as the base model
     model.train()
 
     optimizer = build_optimizer(model, job_config)
@@ -192,24 +195,36 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
         return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
 
-    def train_step(inputs: torch.Tensor, labels: torch.Tensor, lrs: torch.Tensor):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor):
+        """One optimizer step on the batch; `packing` is (positions, document_ids) when several
+        conversations share a sequence (chat data)."""
         optimizer.zero_grad(set_to_none=True)
+        # The loss is the mean over every counted label of the step (all microbatches and ranks),
+        # not a mean of microbatch means: chat batches (those with positions and document ids)
+        # mask different numbers of labels. Pre-training batches count every token: there it is
+        # written as the plain mean, the graph the plan's memory model was calibrated on.
+        counted = labels != IGNORE_INDEX if packing else None
+        total = counted.sum().clamp(min=1) if packing else None
         loss, rank_token_losses = 0.0, []
-        for mb_inputs, mb_labels in zip(microbatches(inputs), microbatches(labels)):
+        for mb_inputs, mb_labels, *mb_packing in zip(*(microbatches(t) for t in (inputs, labels, *packing))):
             # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
-            token_losses = loss_fn(model, mb_inputs, mb_labels)
-            mb_loss = token_losses.mean()
-            (mb_loss / accumulation_steps).backward()
-            loss = loss + mb_loss.detach() / accumulation_steps
+            token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_packing)
+            mb_loss = token_losses.sum() / total if packing else token_losses.mean() / accumulation_steps
+            mb_loss.backward()
+            loss = loss + mb_loss.detach()
             rank_token_losses.append(token_losses.detach())
         if training.max_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, training.max_norm)
         else:
             grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in trainable]))
         step_with_lr(optimizer, lrs)
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
-        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), parallel_dims.dp_degree)
+        rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1) for c in microbatches(counted)], 1)
+                        if packing else None)
+        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
         return torch.stack([loss, grad_norm.detach(), max_loss])
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
@@ -234,11 +249,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 profiler.step(step)
             gc_handler.run(step)
             data_start = time.perf_counter()
-            inputs, labels = next(data_iterator)
+            batch = next(data_iterator)  # inputs, labels[, positions, document_ids]
             metric_logger.add_data_wait(time.perf_counter() - data_start)
             # Every group's lr as one device tensor: the step reads it as data.
             lrs = lr_scheduler.get_last_lr()
-            step_stats = compiled_step(inputs, labels, torch.tensor(lrs, device=device))
+            step_stats = compiled_step(torch.tensor(lrs, device=device), *batch)
             lr = lrs[0]
             lr_scheduler.step()
             compile_guard.check(step)

@@ -2,6 +2,9 @@
 
     python scripts/convert_to_hf.py outputs/run/checkpoint/step-1000 hf_out [--dtype bfloat16]
         [--tokenizer PATH]   # the training tokenizer: its HF files and bos/eos ids go along
+        [--peft DIR]         # a LoRA checkpoint: also its adapters alone, as a PEFT folder
+
+A LoRA checkpoint (one with lora.json) is exported merged, W + (alpha / r) B A.
 
 Runs on the CPU with plain torch.distributed.checkpoint: no XLA device and no process group. The
 result loads with `transformers.AutoModelForCausalLM.from_pretrained(hf_out)` (and, with
@@ -9,6 +12,7 @@ result loads with `transformers.AutoModelForCausalLM.from_pretrained(hf_out)` (a
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -16,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from torchtitan_xla.checkpoint.commit import read_model_state  # noqa: E402
-from torchtitan_xla.checkpoint.hf import export_hf  # noqa: E402
-from torchtitan_xla.errors import run_main  # noqa: E402
+from torchtitan_xla.checkpoint.commit import LORA_FILE, read_model_state  # noqa: E402
+from torchtitan_xla.checkpoint.hf import export_hf, export_peft  # noqa: E402
+from torchtitan_xla.errors import ConfigError, run_main  # noqa: E402
 
 
 def main() -> int:
@@ -28,15 +32,24 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--tokenizer", help="the training tokenizer file (\"\" for the project's own); "
                     "its HF files and BOS/EOS ids go into the export")
+    ap.add_argument("--peft", help="LoRA checkpoints: also write the adapters as a PEFT folder here")
     args = ap.parse_args()
     state, model_args = read_model_state(args.checkpoint)
+    lora_file = Path(args.checkpoint) / LORA_FILE
+    lora = json.loads(lora_file.read_text()) if lora_file.is_file() else None
+    if args.peft and lora is None:
+        raise ConfigError(f"--peft: {args.checkpoint} holds no LoRA adapters (no {LORA_FILE})")
     tokenizer = None
     if args.tokenizer is not None:
         from torchtitan_xla.datasets.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(args.tokenizer)
-    export_hf(state, model_args, args.out, dtype=getattr(torch, args.dtype), tokenizer=tokenizer)
+    dtype = getattr(torch, args.dtype)
+    export_hf(state, model_args, args.out, dtype=dtype, tokenizer=tokenizer, lora=lora)
     print(f"wrote {args.out}")
+    if args.peft:
+        export_peft(state, model_args, lora, args.peft, dtype=dtype)
+        print(f"wrote {args.peft}")
     return 0
 
 

@@ -244,12 +244,18 @@ def test_eta_from_the_recent_step_time(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def test_max_rank_loss_groups_the_batch_by_data_parallel_rank():
-    token_losses = torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0], [0.0, 1.0]])  # 4 x seq 2
-    # dp 2: rank 0 holds rows 0-1 (mean 2.5), rank 1 rows 2-3 (mean 4.75).
-    assert metrics.max_rank_loss(token_losses, 2).item() == 4.75
-    assert metrics.max_rank_loss(token_losses, 4).item() == 9.0
-    assert metrics.max_rank_loss(token_losses, 1).item() == token_losses.mean().item()
+def test_max_rank_loss_is_the_largest_rank_mean_over_counted_tokens():
+    token_losses = torch.tensor([[1.0, 2.0, 3.0, 4.0], [9.0, 9.0, 0.0, 1.0]])  # [dp ranks 2, tokens 4]
+    everything = torch.ones_like(token_losses, dtype=torch.bool)
+    assert metrics.max_rank_loss(token_losses, everything).item() == 4.75
+    assert metrics.max_rank_loss(token_losses).item() == 4.75  # no mask: every token counts
+    # Masked labels (loss 0) do not dilute a rank's mean: rank 0 counts 3 and 4 only.
+    counted = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    assert metrics.max_rank_loss(token_losses * counted, counted).item() == 4.75
+    counted[1] = torch.tensor([True, False, False, False])
+    assert metrics.max_rank_loss(token_losses * counted, counted).item() == 9.0
+    # A rank with nothing counted contributes 0, not NaN.
+    assert metrics.max_rank_loss(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bool)).item() == 0.0
 
 
 _DRIVER = """

@@ -30,8 +30,9 @@ from torchtitan_xla.runtime import kernels
 
 IGNORE_INDEX = -100
 
-# (model, inputs, labels) -> per-token losses [dp ranks, tokens per rank], float32
-LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# (model, inputs, labels[, positions, document_ids]) -> per-token losses [dp ranks, tokens per
+# rank], float32. Positions and document ids come with packed conversations (datasets/chat.py).
+LossFn = Callable[..., torch.Tensor]
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0,
@@ -122,24 +123,25 @@ def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torch.dtype | None,
                   plain: bool = False) -> LossFn:
-    """The step's loss: (model, inputs [batch, seq], labels) -> per-token losses [dp ranks,
-    tokens per rank] in float32. The batch's rows are split into `dp_degree` contiguous blocks,
-    one per data-parallel rank (the batch sharding), so chunks never cross a rank's rows.
+    """The step's loss: (model, inputs [batch, seq], labels[, positions, document_ids]) -> per-token
+    losses [dp ranks, tokens per rank] in float32, 0 where the label is IGNORE_INDEX. The batch's
+    rows are split into `dp_degree` contiguous blocks, one per data-parallel rank (the batch
+    sharding), so chunks never cross a rank's rows.
     `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
     cfg = job_config.loss
     smoothing, z = (0.0, 0.0) if plain else (cfg.label_smoothing, cfg.z_loss_weight)
     autocast = dict(device_type="xla", dtype=autocast_dtype or torch.bfloat16,
                     enabled=autocast_dtype is not None)
 
-    def full(model, inputs, labels):
+    def full(model, inputs, labels, *packing):
         with torch.autocast(**autocast):
-            logits = model(inputs)
+            logits = model(inputs, *packing)
         losses = token_losses(logits, labels, label_smoothing=smoothing, z_loss=z)
         return losses.view(dp_degree, -1)
 
-    def chunked(model, inputs, labels):
+    def chunked(model, inputs, labels, *packing):
         with torch.autocast(**autocast):
-            h = model.hidden_states(inputs)
+            h = model.hidden_states(inputs, *packing)
         ranks = h.view(dp_degree, -1, h.shape[-1])
         return chunked_token_losses(ranks, model.output.weight, labels.view(dp_degree, -1),
                                     cfg.chunk_size, label_smoothing=smoothing, z_loss=z,

@@ -28,21 +28,24 @@ if TYPE_CHECKING:
     from torchtitan_xla.config import JobConfig
 
 
-def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6 per non-embedding parameter (2 forward, 4 backward) plus
-    attention's two matmuls over the sequence, 12·L·H·Q·T (PaLM's convention; the causal mask's
-    skipped half is not subtracted, so numbers compare with torchtitan's)."""
-    return 6 * num_params_no_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: int,
+                        frozen: int = 0) -> int:
+    """Training FLOPs per token: 6 per non-embedding parameter (2 forward, 4 backward: the input's
+    and the weight's gradients), 4 for the `frozen` ones among them (LoRA's base weights: no weight
+    gradient), plus attention's two matmuls over the sequence, 12·L·H·Q·T (PaLM's convention; the
+    causal mask's skipped half is not subtracted, so numbers compare with torchtitan's)."""
+    return (6 * num_params_no_embedding - 2 * frozen
+            + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len)
 
 
-def max_rank_loss(token_losses, dp_degree: int):
+def max_rank_loss(token_losses, counted=None):
     """The largest of the data-parallel ranks' mean losses, inside the compiled step.
 
-    `token_losses` is (global batch, seq) or (dp ranks, tokens); the batch dimension is split into
-    `dp_degree` contiguous blocks, one per data-parallel rank (the batch sharding over
-    ("dp_replicate", "fsdp")). Every token counts, as in the training loss.
-    """
-    return token_losses.reshape(dp_degree, -1).mean(1).max()
+    `token_losses` and the boolean `counted` (the labels the loss counts; None: all) are [dp ranks,
+    tokens]: each rank's mean is over its counted tokens, as the training loss's is."""
+    if counted is None:
+        return token_losses.mean(1).max()
+    return (token_losses.sum(1) / counted.sum(1).clamp(min=1)).max()
 
 
 # --------------------------------------------------------------------------------------------

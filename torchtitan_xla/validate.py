@@ -71,8 +71,8 @@ class Validator:
         loader, self._loader = self._loader or self.make_loader(), None
         sums = []
         try:
-            for inputs, labels in loader:
-                sums.append(self.eval_step(inputs, labels))
+            for batch in loader:
+                sums.append(self.eval_step(*batch))
                 self.calls += 1
                 if len(sums) == self.steps:
                     break
@@ -105,8 +105,8 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
                           f"this run has {host_count}: give a number of batches")
 
     @torch.no_grad()
-    def eval_step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        losses = loss_fn(model, inputs, labels).float()
+    def eval_step(inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor) -> torch.Tensor:
+        losses = loss_fn(model, inputs, labels, *packing).float()
         counted = (labels != IGNORE_INDEX).sum()
         return torch.stack([losses.sum(), counted.to(losses.dtype)])
 

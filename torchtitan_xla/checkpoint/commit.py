@@ -22,6 +22,7 @@ from torchtitan_xla.errors import ConfigError, first_line
 
 COMMIT_FILE = "COMMITTED"
 MODEL_ARGS_FILE = "model_args.json"
+LORA_FILE = "lora.json"  # the [lora] settings of a checkpoint that holds LoRA adapters
 
 
 class DamagedCheckpoint(Exception):

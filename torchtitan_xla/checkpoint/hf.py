@@ -1,6 +1,6 @@
 """HuggingFace interop: export to a folder `transformers` loads whole (`model.safetensors` +
-`config.json` for `LlamaForCausalLM`, and the tokenizer for `AutoTokenizer`), and import HF Llama
-weights as initial weights.
+`config.json` for `LlamaForCausalLM`, and the tokenizer for `AutoTokenizer`), LoRA adapters as a
+folder `peft` loads, and import HF Llama weights as initial weights.
 
 Names and the RoPE q/k layout are converted by models/llama/state_dict_adapter.py; this module does
 the file I/O and moves whole tensors between host memory and the (sharded) device parameters, one
@@ -17,10 +17,12 @@ import torch
 
 from torchtitan_xla import runtime
 from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.lora import is_adapter, merge
 from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 def model_args_to_json(args: ModelArgs) -> str:
@@ -118,8 +120,13 @@ def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) 
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *,
-              dtype: torch.dtype = torch.float32, tokenizer=None) -> None:
-    """Weights and config.json; with `tokenizer`, also its HF files and its BOS/EOS ids."""
+              dtype: torch.dtype = torch.float32, tokenizer=None, lora: dict | None = None) -> None:
+    """Weights and config.json; with `tokenizer`, also its HF files and its BOS/EOS ids. A model
+    with LoRA adapters (`lora`: the [lora] section as a dict) is exported merged, W + (alpha/r) B A."""
+    if lora is not None:
+        state_dict = merge(state_dict, lora["alpha"])
+    elif any(is_adapter(k) for k in state_dict):
+        raise ValueError("the weights hold LoRA adapters: export_hf needs their [lora] settings")
     tensors = {k: v.to(dtype) for k, v in to_hf(state_dict, args).items()}
     bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
     config = hf_config(args, bos_id=bos, eos_id=eos, dtype=str(dtype).removeprefix("torch."))
@@ -128,13 +135,38 @@ def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str
         tokenizer.save_pretrained(out_dir)
 
 
+def export_peft(state_dict: dict[str, torch.Tensor], args: ModelArgs, lora: dict, out_dir: str | Path,
+                *, dtype: torch.dtype = torch.float32, base_model: str = "") -> None:
+    """The LoRA adapters of `state_dict` as a PEFT adapter folder, which
+    `peft.PeftModel.from_pretrained(<the base LlamaForCausalLM>, out_dir)` loads: the adapters under
+    HF module names in adapter_model.safetensors, and adapter_config.json. The config is written
+    here, not by peft's LoraConfig: peft is not a dependency of training (the tests load the
+    folder with peft)."""
+    from safetensors.torch import save_file
+
+    adapters = to_hf({k: v for k, v in state_dict.items() if is_adapter(k)}, args)
+    tensors = {f"base_model.model.{k}": v.to(dtype).contiguous() for k, v in adapters.items()}
+    modules = sorted({k.split(".")[-3] for k in adapters})  # ...self_attn.q_proj.lora_A.weight
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
+        "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+    }
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
+
+
 @torch.no_grad()
 def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], mesh, *,
                     source: str) -> None:
-    """Copy full host tensors into the model's parameters, keeping each parameter's sharding."""
+    """Copy full host tensors into the model's parameters, keeping each parameter's sharding.
+    LoRA adapters keep their initial values (a base model has none)."""
     from torchtitan_xla.parallelisms.parallelize_llama import partition_spec
 
-    params = dict(model.named_parameters())
+    params = {k: p for k, p in model.named_parameters() if not is_adapter(k)}
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(params))
     if missing or unexpected:

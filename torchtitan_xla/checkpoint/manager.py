@@ -19,6 +19,8 @@ Safety:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,10 +31,11 @@ import torch
 
 from torchtitan_xla import runtime, storage
 from torchtitan_xla.checkpoint import commit
-from torchtitan_xla.checkpoint.commit import MODEL_ARGS_FILE, DamagedCheckpoint
+from torchtitan_xla.checkpoint.commit import LORA_FILE, MODEL_ARGS_FILE, DamagedCheckpoint
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError, RunError, first_line
 from torchtitan_xla.logging import logger
+from torchtitan_xla.lora import is_adapter
 from torchtitan_xla.runtime import checkpointing
 
 
@@ -80,6 +83,9 @@ class CheckpointManager:
                  host_count: int = 1, process_group=None):
         self.cfg = job_config.checkpoint
         self.model_args = model_args
+        # The [lora] settings, saved beside the weights: exports merge or rename the adapters.
+        self.lora = dataclasses.asdict(job_config.lora) if job_config.lora.rank else None
+        self.initial_hf = self.cfg.initial_load_path if self.cfg.initial_load_in_hf else ""
         self.enabled = self.cfg.enable or self.cfg.create_seed_checkpoint
         self.folder = storage.join(job_config.job.dump_folder, self.cfg.folder)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
@@ -192,6 +198,8 @@ class CheckpointManager:
             if self.host_rank == 0:
                 # What the weights are, so converters need neither the config nor the tokenizer.
                 storage.write_text(storage.join(path, MODEL_ARGS_FILE), model_args_to_json(self.model_args))
+                if self.lora is not None:
+                    storage.write_text(storage.join(path, LORA_FILE), json.dumps(self.lora, indent=1))
                 record = commit.write_commit(path, step, sorted(states))
         except (Exception, CheckpointException) as e:  # every host gets the same exception
             if self.host_rank == 0:
@@ -212,18 +220,25 @@ class CheckpointManager:
         self._barrier()
 
     def export_hf(self, step: int, tokenizer) -> str | None:
-        """HuggingFace weights, config.json and tokenizer of the current model, in export_dtype."""
-        from torchtitan_xla.checkpoint.hf import export_hf, gather_state_dict
+        """HuggingFace weights, config.json and tokenizer of the current model, in export_dtype;
+        with LoRA, merged, and the adapters alone as a PEFT folder <folder>/step-<N>-peft."""
+        from torchtitan_xla.checkpoint.hf import export_hf, export_peft, gather_state_dict
 
         if self.host_count > 1:
             logger.warning("last_save_in_hf: with several hosts, convert the saved checkpoint with "
                            "scripts/convert_to_hf.py instead (one host cannot gather every shard)")
             return None
         out = storage.join(self.folder, f"step-{step}-hf")
+        state, dtype = gather_state_dict(self.model), getattr(torch, self.cfg.export_dtype)
         with storage.local_folder(out) as local:
-            export_hf(gather_state_dict(self.model), self.model_args, local,
-                      dtype=getattr(torch, self.cfg.export_dtype), tokenizer=tokenizer)
-        logger.info(f"HuggingFace export written to {out}")
+            export_hf(state, self.model_args, local, dtype=dtype, tokenizer=tokenizer, lora=self.lora)
+        logger.info(f"HuggingFace export written to {out}" + (" (LoRA merged)" if self.lora else ""))
+        if self.lora is not None:
+            peft_out = storage.join(self.folder, f"step-{step}-peft")
+            with storage.local_folder(peft_out) as local:
+                export_peft(state, self.model_args, self.lora, local, dtype=dtype,
+                            base_model=self.initial_hf)
+            logger.info(f"PEFT adapter written to {peft_out}")
         return out
 
     def wait(self) -> None:
@@ -331,12 +346,14 @@ class CheckpointManager:
             runtime.materialise()  # as in _load: a device error is not a damaged checkpoint
             try:
                 commit.verify(path)
-                states = {"model": self.model.state_dict(keep_vars=True)}
+                # LoRA adapters keep their initial values: the base checkpoint has none.
+                states = {"model": {k: v for k, v in self.model.state_dict(keep_vars=True).items()
+                                    if not is_adapter(k)}}
                 _dcp_load(states, path, self.process_group)
             except (Exception, CheckpointException) as e:
                 reason = e if isinstance(e, DamagedCheckpoint) else commit.dcp_failure(e)
                 raise ConfigError(
                     f"[checkpoint] initial_load_path: {path} is not a usable checkpoint: {reason}") from None
-            self.model.load_state_dict(states["model"])
+            self.model.load_state_dict(states["model"], strict=False)
         kind = " (HuggingFace)" if self.cfg.initial_load_in_hf else ""
         logger.info(f"Initial weights loaded from {path}{kind}")

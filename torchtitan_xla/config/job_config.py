@@ -91,11 +91,14 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: Literal["python_docs", "c4", "json", "parquet", "text", "hf", "synthetic"] = opt(
+    dataset: Literal["python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
+                     "python_docs_chat"] = opt(
         "python_docs",
         "Dataset (docs/datasets.md): python_docs is embedded and works offline; c4 streams "
         "allenai/c4 (en) from the Hub, or reads a local copy at dataset_path; json / parquet / "
-        "text read local files; hf a save_to_disk folder or a Hub id; synthetic is random tokens.")
+        "text read local files; hf a save_to_disk folder or a Hub id; synthetic is random tokens. "
+        "Fine-tuning (docs/finetune.md): chat reads JSON-lines conversations at dataset_path; "
+        "python_docs_chat is an embedded question/answer set made from the Python docs.")
     dataset_path: str = opt(
         "", "File, folder or glob of the dataset (c4: the folder holding en/), local or a gs:// or "
         "s3:// URL; empty: the registry default.")
@@ -116,6 +119,10 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence.", gt=0)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).", ge=0)
     steps: int = opt(10000, "Training steps.", gt=0)
+    packing: bool = opt(
+        True, "Chat datasets: pack several conversations into each sequence, with attention that "
+        "does not cross conversations and positions that restart at each; false: one "
+        "conversation per sequence, padded. (Pre-training text is always one packed stream.)")
     mixed_precision_param: Literal["float32", "bfloat16"] = opt(
         "bfloat16", "Compute dtype (autocast); parameters and optimizer state stay float32.")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps.", gt=0)
@@ -135,13 +142,26 @@ class Loss:
 
 
 @dataclass
+class LoRA:
+    rank: int = opt(
+        0, "LoRA rank r: 0 trains every weight; r > 0 freezes the model and trains low-rank "
+        "adapters W + (alpha / r) B A on the target_modules (docs/finetune.md).", ge=0)
+    alpha: float = opt(16.0, "LoRA alpha: the adapters' output is scaled by alpha / rank.", gt=0)
+    dropout: float = opt(0.0, "Dropout on the adapters' input (as peft's lora_dropout).", ge=0, le=1)
+    target_modules: list[Literal["wq", "wk", "wv", "wo", "w1", "w2", "w3"]] = opt(
+        ["wq", "wk", "wv", "wo", "w1", "w2", "w3"],
+        "Linear layers that get adapters, by name within a block (wq, wk, wv, wo, w1, w2, w3).")
+
+
+@dataclass
 class Validation:
     enable: bool = opt(False, "Compute the loss on held-out data during training (docs/evaluation.md).")
     freq: int = opt(500, "Validate after every this many training steps.", gt=0)
     steps: int = opt(
         10, "Batches per validation (each of local_batch_size x data-parallel degree sequences); "
         "-1: the whole split (its last partial batch left out), one host only.", ge=-1)
-    dataset: Literal["", "python_docs", "c4", "json", "parquet", "text", "hf", "synthetic"] = opt(
+    dataset: Literal["", "python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
+                     "python_docs_chat"] = opt(
         "", "Dataset to validate on; empty: training.dataset.")
     dataset_path: str = opt(
         "", "Its file, folder or glob; empty: training.dataset_path when the dataset is training's, "
@@ -311,6 +331,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     loss: Loss = field(default_factory=Loss)
+    lora: LoRA = field(default_factory=LoRA)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
     parallelism: Parallelism = field(default_factory=Parallelism)

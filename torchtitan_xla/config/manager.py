@@ -305,6 +305,16 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
     if cfg.validation.enable and cfg.validation.steps == 0:
         raise ConfigError(f"{sources.describe('validation', 'steps')} = 0: must be -1 (the whole "
                           f"split) or a number of batches > 0")
+    lora = cfg.lora
+    if lora.rank and cfg.float8.enable_float8_linear:
+        raise ConfigError(f"{sources.describe('lora', 'rank')} = {lora.rank}: LoRA cannot be combined "
+                          f"with [float8] enable_float8_linear = true (adapters on float8 linears "
+                          f"are not supported); turn one of them off")
+    if lora.rank and lora.dropout and cfg.compile.step == "replay":
+        # A replayed step reads the random seed as a frozen number: every step would drop the same
+        # units. The lazy step draws new ones.
+        raise ConfigError(f"{sources.describe('lora', 'dropout')} = {lora.dropout:g} needs "
+                          f"[compile] step = \"lazy\" (a replayed step would reuse one dropout mask)")
     prof = cfg.profiling
     if prof.profiler_active > prof.profile_freq:
         raise ConfigError(

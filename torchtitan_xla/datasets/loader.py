@@ -37,8 +37,9 @@ def _unwrap_worker_error(error: BaseException) -> BaseException:
 
 
 class DataLoader:
-    """Iterate for (inputs, labels) batches of [batch_size, seq_len]: on `device` with
-    `input_sharding` when a device is given, on the host otherwise.
+    """Iterate for (inputs, labels) batches of [batch_size, seq_len] (chat datasets: (inputs,
+    labels, positions, document_ids)): on `device` with `input_sharding` when a device is given,
+    on the host otherwise.
 
     `state_dict()` is this host's state, with the host's identity (rank, host count, workers);
     the checkpoint stores each host's under its own key. Restoring with a different host count,

@@ -1,16 +1,19 @@
-"""Documents -> tokens -> packed [seq_len + 1] windows, sharded per host and resumable exactly.
+"""Documents -> tokens -> training rows, sharded per host and resumable exactly.
 
 The source library provides the three hard parts: host sharding (`split_dataset_by_node`: by shard
 when the shard count divides the host count, otherwise every host keeps one document in
 `host_count`), worker sharding (by shard, inside each DataLoader worker) and the resumable position
-in the stream (`IterableDataset.state_dict()`). `PackedTextDataset` adds what it cannot: the token
-buffer, epochs, and a shuffle buffer whose contents and random state are part of the state, so a
-restored run continues bit for bit.
+in the stream (`IterableDataset.state_dict()`). `DocumentStream` adds what it cannot: epochs, and
+a shuffle buffer whose contents and random state are part of the state. On top of it,
+`PackedTextDataset` cuts pre-training text into packed windows and `ChatDataset` turns
+conversations into padded or packed rows with label masks (chat.py); each adds what it holds
+between rows to the state, so a restored run continues bit for bit.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -18,17 +21,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from torchtitan_xla.datasets import chat
 from torchtitan_xla.datasets.tokenizer import Tokenizer
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
+from torchtitan_xla.losses import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import datasets
 
 
-class PackedTextDataset(IterableDataset):
-    """This host's share of `documents`, tokenized (BOS + text + EOS) and cut into windows of
-    seq_len + 1 tokens: inputs are window[:-1], labels window[1:]. No padding, no token lost.
+class DocumentStream(IterableDataset):
+    """This host's share of `documents` (strings in the `column` column), epoch after epoch,
+    optionally shuffled. Subclasses turn them into rows in `__iter__` and keep what they hold
+    between rows in `_extra_state()` / `_load_extra_state()`.
 
     Each reader (a host, or a DataLoader worker of a host) is one node of `split_dataset_by_node`
     over hosts x workers: whole shards when their count divides evenly, otherwise one document in
@@ -39,28 +45,32 @@ class PackedTextDataset(IterableDataset):
     With `shuffle_buffer` > 0 documents pass through a buffer of that many and leave it in a
     seeded random order (the buffer's contents and random state are saved with the state)."""
 
-    def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
-                 host_rank: int = 0, host_count: int = 1, shuffle_buffer: int = 0, seed: int = 0,
+    column = "text"
+
+    def __init__(self, documents: datasets.IterableDataset, *, host_rank: int = 0,
+                 host_count: int = 1, shuffle_buffer: int = 0, seed: int = 0,
                  infinite: bool = True, name: str = ""):
         self.name = name
         self._source = documents
         self._host_rank, self._host_count = host_rank, host_count
-        self._tokenizer = tokenizer
-        self._window = seq_len + 1
         self._infinite = infinite
         self._shuffle_size = shuffle_buffer
         self._seed = seed
-        # The state: position in the source (held by `_documents` once iterating), epoch, tokens
-        # read but not yet emitted, and the shuffle buffer with its random state.
+        # The state: position in the source (held by `_documents` once iterating), epoch, and
+        # the shuffle buffer with its random state.
         self._documents: datasets.IterableDataset | None = None
         self._source_state: dict | None = None  # loaded, not yet iterated from
         self._epoch = 0
-        self._tokens: list[int] = []
         self._shuffle: list[str] = []
         self._rng: random.Random | None = None
         self._where = f"host {host_rank} of {host_count}"
 
     # -- the stream ------------------------------------------------------------------------
+
+    def _stream(self) -> Iterator[str]:
+        """This reader's documents in training order."""
+        texts = self._texts()
+        return self._shuffled(texts) if self._shuffle_size else texts
 
     def _reader(self) -> tuple[int, int]:
         """This reader's rank and the number of readers over all hosts and workers."""
@@ -88,10 +98,10 @@ class PackedTextDataset(IterableDataset):
             count = 0
             for batch in self._documents.iter(batch_size=1):
                 count += 1
-                if "text" not in batch:
-                    raise ConfigError(f"dataset {self.name}: documents have no 'text' field "
-                                      f"(fields: {', '.join(batch)})")
-                yield batch["text"][0]
+                if self.column not in batch:
+                    raise ConfigError(f"dataset {self.name}: documents have no '{self.column}' "
+                                      f"field (fields: {', '.join(batch)})")
+                yield batch[self.column][0]
             if count == 0 and not resumed:
                 raise ConfigError(f"dataset {self.name}: no documents for {self._where} (the "
                                   f"dataset is empty, or has fewer documents than readers)")
@@ -114,35 +124,132 @@ class PackedTextDataset(IterableDataset):
             self._shuffle[i], self._shuffle[-1] = self._shuffle[-1], self._shuffle[i]
             yield self._shuffle.pop()
 
-    def __iter__(self):
-        texts = self._texts()
-        if self._shuffle_size:
-            texts = self._shuffled(texts)
-        window = self._window
-        for text in texts:
-            self._tokens.extend(self._tokenizer.encode(text, bos=True, eos=True))
-            while len(self._tokens) >= window:
-                w = torch.tensor(self._tokens[:window], dtype=torch.long)
-                del self._tokens[:window]
-                yield w[:-1], w[1:]
-
     # -- checkpointing ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         iterating = self._documents is not None and self._source_state is None
         source = self._documents.state_dict() if iterating else self._source_state
-        return {"epoch": self._epoch, "source": source, "token_buffer": list(self._tokens),
+        return {"epoch": self._epoch, "source": source, **self._extra_state(),
                 "shuffle_buffer": list(self._shuffle),
                 "rng": self._rng.getstate() if self._rng is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._epoch = state["epoch"]
         self._source_state = state["source"]
-        self._tokens = list(state["token_buffer"])
+        self._load_extra_state(state)
         self._shuffle = list(state["shuffle_buffer"])
         if state["rng"] is not None:
             self._rng = random.Random()
             self._rng.setstate(state["rng"])
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class PackedTextDataset(DocumentStream):
+    """This host's share of `documents`, tokenized (BOS + text + EOS) and cut into windows of
+    seq_len + 1 tokens: inputs are window[:-1], labels window[1:]. No padding, no token lost."""
+
+    def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int,
+                 **stream):
+        super().__init__(documents, **stream)
+        self._tokenizer = tokenizer
+        self._window = seq_len + 1
+        self._tokens: list[int] = []  # read but not yet emitted
+
+    def __iter__(self):
+        window = self._window
+        for text in self._stream():
+            self._tokens.extend(self._tokenizer.encode(text, bos=True, eos=True))
+            while len(self._tokens) >= window:
+                w = torch.tensor(self._tokens[:window], dtype=torch.long)
+                del self._tokens[:window]
+                yield w[:-1], w[1:]
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"token_buffer": list(self._tokens)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._tokens = list(state["token_buffer"])
+
+
+class ChatDataset(DocumentStream):
+    """This host's share of `conversations` (each a JSON list of messages, see chat.py), rendered
+    in the tokenizer's chat format and yielded as rows of four int64 [seq_len] tensors: (inputs,
+    labels, positions, document_ids). Labels are -100 except on the assistant's tokens.
+
+    packing: conversations fill each row greedily in stream order; one that does not fit starts
+    the next row, the current one is padded. Otherwise every conversation has a row of its own."""
+
+    column = "messages"
+
+    def __init__(self, conversations: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int,
+                 *, packing: bool = True, **stream):
+        super().__init__(conversations, **stream)
+        chat.chat_format(tokenizer)  # an unsupported tokenizer fails now, not in a worker
+        self._tokenizer = tokenizer
+        self._seq_len = seq_len
+        self._packing = packing
+        self._pad_id = chat.pad_id(tokenizer)
+        self._warned = False
+        self._row: list[tuple[list[int], list[int]]] = []  # (inputs, labels) not yet emitted
+
+    def __iter__(self):
+        for text in self._stream():
+            example = self._example(text)
+            if self._filled() + len(example[0]) > self._seq_len:  # it starts the next row
+                yield self._emit(next_row=[example])
+            else:
+                self._row.append(example)
+            if not self._packing or self._filled() == self._seq_len:
+                yield self._emit()
+        if self._row:  # a finite stream's last, partly filled row
+            yield self._emit()
+
+    def _filled(self) -> int:
+        return sum(len(inputs) for inputs, _ in self._row)
+
+    def _example(self, text: str) -> tuple[list[int], list[int]]:
+        """One conversation's (inputs, labels): the ids shifted by one, labels masked where the
+        next token is not trained, truncated to seq_len."""
+        ids, trained = chat.render(json.loads(text), self._tokenizer)
+        inputs = ids[:-1]
+        labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])]
+        if len(inputs) > self._seq_len:
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    f"dataset {self.name} ({self._where}): a conversation of {len(inputs):,} "
+                    f"tokens is longer than seq_len {self._seq_len:,}; its last "
+                    f"{len(inputs) - self._seq_len:,} tokens are dropped (logged once: longer "
+                    f"conversations are all truncated to seq_len)")
+            inputs, labels = inputs[:self._seq_len], labels[:self._seq_len]
+        return inputs, labels
+
+    def _emit(self, next_row=()) -> tuple[torch.Tensor, ...]:
+        """The pending conversations as one row, padded, and `next_row` pending instead (set
+        before the row is yielded, so that the state at the yield is the state after it).
+        Positions restart at each conversation; padding is document 0 at position 0."""
+        inputs, labels, positions, documents = [], [], [], []
+        for doc, (x, y) in enumerate(self._row, 1):
+            inputs += x
+            labels += y
+            positions += range(len(x))
+            documents += [doc] * len(x)
+        self._row = list(next_row)
+        pad = self._seq_len - len(inputs)
+        columns = (inputs + [self._pad_id] * pad, labels + [IGNORE_INDEX] * pad,
+                   positions + [0] * pad, documents + [0] * pad)
+        return tuple(torch.tensor(c, dtype=torch.long) for c in columns)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"row": [[list(x), list(y)] for x, y in self._row]}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._row = [(list(x), list(y)) for x, y in state["row"]]
 
 
 class SyntheticDataset(IterableDataset):

@@ -4,6 +4,8 @@ Every source is a HuggingFace `datasets.IterableDataset` of `{"text": str}` rows
 corpus is never loaded whole): the embedded Python docs, C4 (a copy or the Hub), JSON lines /
 parquet / text files, and `save_to_disk` folders. Files and copies may be local or in a bucket
 (gs://, s3://, read through fsspec: storage.py). packing.py turns them into training windows.
+The chat datasets (CHAT_DATASETS) are streams of `{"messages": str}` rows instead: each a
+conversation as a JSON list of {"role", "content"} messages (chat.py), for packing.ChatDataset.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ if TYPE_CHECKING:
     import datasets
 
 C4_HUB_ID = "allenai/c4"
-DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "synthetic")
+DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
+                 "python_docs_chat")
+CHAT_DATASETS = ("chat", "python_docs_chat")
+JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,21 +86,55 @@ def _read_paragraphs(files: list[str]) -> Iterator[dict[str, str]]:
             raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
 
 
+def _conversations_in(file: str) -> Iterator[list[dict[str, str]]]:
+    """The conversations of a JSON-lines file (chat.py's records), each as its messages; a bad
+    line stops the run with its file and line number."""
+    from torchtitan_xla.datasets.chat import parse_conversation
+
+    lineno = 0
+    try:
+        with _open_text(file) as fh:
+            for lineno, line in enumerate(fh, 1):  # noqa: B007
+                if not line.strip():
+                    continue
+                try:
+                    messages = parse_conversation(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
+                except ConfigError as e:
+                    raise ConfigError(f"{file}:{lineno}: {e}") from None
+                yield messages
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
+
+
+def _read_conversations(files: list[str]) -> Iterator[dict[str, str]]:
+    for file in files:
+        for messages in _conversations_in(file):
+            yield {"messages": json.dumps(messages)}
+
+
 def _yield_texts(texts: list[str]) -> Iterator[dict[str, str]]:
     for text in texts:
         yield {"text": text}
 
 
+def _yield_conversations(conversations: list[list[dict[str, str]]]) -> Iterator[dict[str, str]]:
+    for messages in conversations:
+        yield {"messages": json.dumps(messages)}
+
+
 # --------------------------------------------------------------------------------------------
-# The registry: (name, path, split) -> a streamed datasets.IterableDataset with a "text" column
+# The registry: (name, path, split) -> a streamed datasets.IterableDataset, "text" column
+# (the chat datasets: "messages")
 # --------------------------------------------------------------------------------------------
 
 
-def _from_generator(fn, **shards: list) -> datasets.IterableDataset:
-    """A stream over `fn(list)`; HF treats each list element as one shard."""
+def _from_generator(fn, column: str = "text", **shards: list) -> datasets.IterableDataset:
+    """A stream of `column` strings over `fn(list)`; HF treats each list element as one shard."""
     import datasets
 
-    features = datasets.Features({"text": datasets.Value("string")})
+    features = datasets.Features({column: datasets.Value("string")})
     return datasets.IterableDataset.from_generator(fn, features=features, gen_kwargs=shards)
 
 
@@ -149,18 +188,18 @@ def _only_train(name: str, split: str) -> None:
             f"no '{split}' split; point dataset_path at those files instead")
 
 
+def _held_out(items, name: str, split: str) -> list:
+    """The embedded sets' splits: every tenth item (by topic name) is held out for validation."""
+    if split not in ("train", "validation"):
+        raise ConfigError(f"[training] dataset_split: {name} has splits train and validation, "
+                          f"not {split!r}")
+    return [x for i, x in enumerate(items) if (i % 10 == 9) == (split == "validation")]
+
+
 def _python_docs(path: str, split: str) -> datasets.IterableDataset:
     from torchtitan_xla.datasets import python_docs
 
-    docs = python_docs.documents()
-    # Every tenth topic (by name) is held out for validation.
-    if split == "train":
-        texts = [d for i, d in enumerate(docs) if i % 10 != 9]
-    elif split == "validation":
-        texts = [d for i, d in enumerate(docs) if i % 10 == 9]
-    else:
-        raise ConfigError(f"[training] dataset_split: python_docs has splits train and "
-                          f"validation, not {split!r}")
+    texts = _held_out(python_docs.documents(), "python_docs", split)
     return _from_generator(_yield_texts, texts=texts)  # one shard per document
 
 
@@ -185,8 +224,7 @@ def _c4(path: str, split: str) -> datasets.IterableDataset:
 
 def _json(path: str, split: str) -> datasets.IterableDataset:
     _only_train("json", split)
-    return _from_generator(_read_json_lines, files=_local_files(
-        path, (".json", ".jsonl", ".json.gz", ".jsonl.gz"), "json"))
+    return _from_generator(_read_json_lines, files=_local_files(path, JSON_SUFFIXES, "json"))
 
 
 def _text(path: str, split: str) -> datasets.IterableDataset:
@@ -258,12 +296,34 @@ def _text_column(ds: datasets.IterableDataset, where: str) -> datasets.IterableD
     return ds.select_columns(["text"]) if columns else ds
 
 
+def _chat(path: str, split: str) -> datasets.IterableDataset:
+    _only_train("chat", split)
+    files = _local_files(path, JSON_SUFFIXES, "chat")
+    # Every local record is checked now (one quick pass: fine-tuning sets are small), so a bad
+    # line stops the run before it starts; files behind a URL are checked as they are streamed.
+    for file in files:
+        if not storage.is_url(file):
+            for _ in _conversations_in(file):
+                pass
+    return _from_generator(_read_conversations, column="messages", files=files)
+
+
+def _python_docs_chat(path: str, split: str) -> datasets.IterableDataset:
+    from torchtitan_xla.datasets import python_docs
+
+    # Held out by topic, so no validation topic is trained on.
+    topics = _held_out(python_docs.conversations(), "python_docs_chat", split)
+    conversations = [c for topic in topics for c in topic]
+    return _from_generator(_yield_conversations, column="messages", conversations=conversations)
+
+
 _REGISTRY = {"python_docs": _python_docs, "c4": _c4, "json": _json, "parquet": _parquet,
-             "text": _text, "hf": _hf}
+             "text": _text, "hf": _hf, "chat": _chat, "python_docs_chat": _python_docs_chat}
 
 
 def load_documents(name: str, path: str = "", split: str = "train") -> datasets.IterableDataset:
-    """The dataset registry: name, local path and split -> a stream of {"text": ...} rows."""
+    """The dataset registry: name, local path and split -> a stream of {"text": ...} rows (of
+    {"messages": ...} rows for the CHAT_DATASETS)."""
     if name not in _REGISTRY:
         raise ConfigError(f"[training] dataset: unknown dataset {name!r}; expected one of: "
                           f"{', '.join(DATASET_NAMES)}")

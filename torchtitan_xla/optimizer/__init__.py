@@ -28,9 +28,10 @@ __all__ = ["Adafactor", "Lion", "Muon", "build_lr_scheduler", "build_optimizer",
 
 
 def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.optim.Optimizer:
-    """The optimizer `[optimizer] name` names, over every parameter, its state created."""
+    """The optimizer `[optimizer] name` names, over every trainable parameter (frozen ones, as
+    under LoRA, get no state), its state created."""
     cfg = job_config.optimizer
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     # capturable: Adam's step count and bias corrections live on the device, so the step's graph
     # reads them as data instead of baking this step's Python numbers into it.
     on_device = any(p.device.type not in ("cpu", "meta") for p in params)

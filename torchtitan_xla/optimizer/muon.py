@@ -23,9 +23,12 @@ NS_EPS = 1e-7
 
 
 def muon_param_groups(model: torch.nn.Module) -> list[dict]:
-    """[Muon's group: the 2-D weights inside `layers`, AdamW's group: everything else]."""
+    """[Muon's group: the trainable 2-D weights inside `layers`, AdamW's group: the other
+    trainable parameters]."""
     matrices, others = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         (matrices if name.startswith("layers.") and p.dim() == 2 else others).append(p)
     return [{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}]
 

@@ -43,6 +43,14 @@ TP_PLAN: dict[str, Spec] = {
 
 
 def tp_spec(name: str, ndim: int) -> Spec:
+    from torchtitan_xla.lora import split_adapter
+
+    base, adapter = split_adapter(name)
+    if adapter is not None:
+        # A LoRA adapter splits like its layer: A [r, in] on the layer's input split, B [out, r]
+        # on its output split, so the rank-r path needs only the reduction the layer already has.
+        out_axis, in_axis = tp_spec(base, 2)
+        return (None, in_axis) if adapter == "lora_A" else (out_axis, None)
     for pattern, spec in TP_PLAN.items():
         if fnmatch.fnmatchcase(name, pattern):
             return spec
@@ -106,7 +114,7 @@ def apply_activation_sharding(model: nn.Module, mesh) -> None:
         block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
         block.register_forward_hook(lambda m, args, out: seq_sharded(out))
         block.attention.sdpa.register_forward_pre_hook(
-            lambda m, args: tuple(heads_sharded(t) for t in args))
+            lambda m, args: (*(heads_sharded(t) for t in args[:3]), *args[3:]))  # q, k, v
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
 
 
@@ -203,14 +211,14 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
 
 class _CarryRope(nn.Module):
-    """Adapts a block to scan's carry convention: (h, cos, sin) in and out."""
+    """Adapts a block to scan's carry convention: (h, cos, sin[, document_ids]) in and out."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, h, cos, sin):
-        return self.block(h, cos, sin), cos, sin
+    def forward(self, h, *rest):
+        return self.block(h, *rest), *rest
 
 
 def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
@@ -227,8 +235,10 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     # Created once: scan caches the traced block by the identity of the first one.
     carriers = [_CarryRope(block) for block in model.layers.values()]
 
-    def forward(h, cos, sin):
-        h, _, _ = kernels.scan_layers(carriers, (h, cos, sin), partition_fn)
+    def forward(h, cos, sin, document_ids=None):
+        # The carry holds float tensors only (scan differentiates it); ids compare exactly as floats.
+        extra = () if document_ids is None else (document_ids.float(),)
+        h, *_ = kernels.scan_layers(carriers, (h, cos, sin, *extra), partition_fn)
         return h
 
     model.layers.forward = forward

@@ -56,18 +56,19 @@ def theory(model, parallel_dims, *, tokens: int, microbatches: int, policy: str,
     specs = param_specs(model, parallel_dims)
     for name, p in model.named_parameters():
         spec = specs[name]
+        grad_bytes = GRAD_BYTES if p.requires_grad else 0  # a frozen (LoRA base) weight has none
         axes = {x for s in spec for x in ((s,) if isinstance(s, str) else (s or ()))}
         whole = math.prod(shard_shape(tuple(p.shape), spec, tp_only))  # elements per tp shard
         if "fsdp" in axes:
             gathers = 1 if "tok_embeddings" in name else 2 + (policy == "full" and "layers." in name)
             out["all-gather"] += a * gathers * sent_bytes("all-gather", whole * param_bytes, n)
-            out["reduce-scatter"] += a * sent_bytes("reduce-scatter", whole * GRAD_BYTES / n, n)
+            out["reduce-scatter"] += a * sent_bytes("reduce-scatter", whole * grad_bytes / n, n)
         else:
-            out["all-reduce"] += a * sent_bytes("all-reduce", whole * GRAD_BYTES, n)
+            out["all-reduce"] += a * sent_bytes("all-reduce", whole * grad_bytes, n)
         if "tp" not in axes:
-            out["all-reduce"] += a * sent_bytes("all-reduce", whole * GRAD_BYTES, t)
+            out["all-reduce"] += a * sent_bytes("all-reduce", whole * grad_bytes, t)
         local = whole / n if "fsdp" in axes else whole
-        out["all-reduce"] += a * sent_bytes("all-reduce", local * GRAD_BYTES, r)
+        out["all-reduce"] += a * sent_bytes("all-reduce", local * grad_bytes, r)
     blocks = len(model.layers)
     recompute = 2 * blocks if policy == "full" else 0
     sequence = tokens * model.tok_embeddings.weight.shape[1] * act_bytes  # [tokens, dim]

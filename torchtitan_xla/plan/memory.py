@@ -128,10 +128,11 @@ def shard_shape(shape: tuple[int, ...], spec: tuple, axis_sizes: dict[str, int])
 
 
 def build_meta_model(job_config: JobConfig, vocab_size: int | None = None, **overrides):
-    """(model args, the model on the meta device)."""
+    """(model args, the model on the meta device, with its LoRA adapters if any)."""
     import torch
 
     from torchtitan_xla.datasets.tokenizer.train_bpe import DEFAULT_VOCAB_SIZE
+    from torchtitan_xla.lora import apply_lora
     from torchtitan_xla.models import get_model_args, get_model_class
 
     name = job_config.model.name
@@ -141,11 +142,15 @@ def build_meta_model(job_config: JobConfig, vocab_size: int | None = None, **ove
     args = get_model_args(name, job_config.model.flavor, **{
         "vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, **overrides})
     with torch.device("meta"):
-        return args, get_model_class(name)(args)
+        model = get_model_class(name)(args)
+    apply_lora(model, job_config.lora)
+    return args, model
 
 
-def local_parameters(model, parallel_dims) -> tuple[int, tuple[str, tuple[int, ...], tuple]]:
-    """(parameter elements on the most loaded device, the largest shard: name, shape, spec)."""
+def local_parameters(model, parallel_dims, trainable_only: bool = False
+                     ) -> tuple[int, tuple[str, tuple[int, ...], tuple]]:
+    """(parameter elements on the most loaded device, the largest shard: name, shape, spec); only
+    of the parameters that train (not LoRA's frozen ones) with `trainable_only`."""
     from torchtitan_xla.parallelisms import MESH_AXES
     from torchtitan_xla.parallelisms.parallelize_llama import param_specs
 
@@ -153,6 +158,8 @@ def local_parameters(model, parallel_dims) -> tuple[int, tuple[str, tuple[int, .
     specs = param_specs(model, parallel_dims)
     total, largest = 0, ("", (), ())
     for name, p in model.named_parameters():
+        if trainable_only and not p.requires_grad:
+            continue
         local = shard_shape(tuple(p.shape), specs[name], sizes)
         total += math.prod(local)
         if math.prod(local) > math.prod(largest[1] or (0,)):
@@ -208,15 +215,21 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
     args, model = build_meta_model(job_config, vocab_size, **overrides)
     parallel_dims.check_model(args.n_heads, args.kv_heads, args.dim, args.ffn_hidden_dim)
     elements, largest = local_parameters(model, parallel_dims)
+    # Gradients and optimizer state exist only for what trains (LoRA: the adapters).
+    trained, _ = local_parameters(model, parallel_dims, trainable_only=True)
     training = job_config.training
     global_batch = (training.global_batch_size if training.global_batch_size > 0
                     else training.local_batch_size * parallel_dims.dp_degree)
     parallel_dims.check_batch(global_batch, training.local_batch_size, training.seq_len, 1)
     shape = activation_shape(job_config, args, parallel_dims, training.local_batch_size)
     states = OPTIMIZER_STATES[job_config.optimizer.name]
-    return Memory(parameters=elements * BYTES_PARAM, gradients=elements * BYTES_GRAD,
-                  optimizer=elements * states * BYTES_STATE,
-                  temporaries=temporaries(shape, elements * BYTES_PARAM), largest_shard=largest)
+    # The fitted temporaries hold every parameter's gradient: without the frozen ones' (LoRA; not
+    # calibrated against the compiler).
+    frozen_gradients = (elements - trained) * BYTES_GRAD
+    return Memory(parameters=elements * BYTES_PARAM, gradients=trained * BYTES_GRAD,
+                  optimizer=trained * states * BYTES_STATE,
+                  temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients,
+                  largest_shard=largest)
 
 
 def calibration_shape(row: dict) -> tuple[Shape, int]:

@@ -12,15 +12,17 @@ import torch
 from torchtitan_xla.errors import ConfigError
 
 
-def flash_attention(q, k, v, *, mesh, spec) -> torch.Tensor:
-    """Causal Pallas flash attention over [batch, heads, seq, head_dim], sharded by `spec`.
-    TPU only; not verified on TPU by this project."""
+def flash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
+    """Causal Pallas flash attention over [batch, heads, seq, head_dim], sharded by `spec`, within
+    the documents of `segment_ids` [batch, seq] if given. TPU only; not verified on TPU by this
+    project."""
     from torch_xla.experimental.custom_kernel import flash_attention as kernel
 
-    return kernel(q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, partition_spec=spec, mesh=mesh)
+    return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                  sm_scale=q.shape[-1] ** -0.5, partition_spec=spec, mesh=mesh)
 
 
-def splash_attention(q, k, v, *, mesh, spec) -> torch.Tensor:
+def splash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
     """Causal Pallas splash attention, as `flash_attention`. TPU only; not verified on TPU."""
     from torch_xla.experimental.splash_attention import SplashAttentionConfig
     from torch_xla.experimental.splash_attention import splash_attention as kernel
@@ -32,7 +34,8 @@ def splash_attention(q, k, v, *, mesh, spec) -> torch.Tensor:
     config = SplashAttentionConfig(mesh=str(mesh), qkv_partition_spec=spec,
                                    segment_ids_partition_spec=(spec[0], None), **blocks)
     # The splash kernel does not scale the scores itself.
-    return kernel(q * q.shape[-1] ** -0.5, k, v, config.to_json(), causal=True)
+    return kernel(q * q.shape[-1] ** -0.5, k, v, config.to_json(), decoder_segment_ids=segment_ids,
+                  causal=True)
 
 
 def dot_f32(a: torch.Tensor, b: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:

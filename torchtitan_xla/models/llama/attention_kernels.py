@@ -27,11 +27,11 @@ class PallasAttention(nn.Module):
         super().__init__()
         self.kind, self.mesh, self.spec = kind, mesh, spec
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, document_ids=None):
         from torchtitan_xla.runtime import kernels
 
         kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
-        return kernel(q, k, v, mesh=self.mesh, spec=self.spec)
+        return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=document_ids)
 
 
 def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan_xla.models.llama.model import attention_mask
+
 
 def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:
     """Save the inputs for backward in the dtype the forward product ran in, and their own dtypes
@@ -65,14 +67,16 @@ class _ProbsTimesValues(torch.autograd.Function):
 
 
 class BlockwiseCausalAttention(nn.Module):
-    """Causal attention over [batch, heads, seq, head_dim] in `blocks` query blocks; replaces a
-    block's `attention.sdpa` (attention_kernels.apply_attention_kernel)."""
+    """Causal attention over [batch, heads, seq, head_dim] in `blocks` query blocks (within
+    documents, given `document_ids`); replaces a block's `attention.sdpa`
+    (attention_kernels.apply_attention_kernel)."""
 
     def __init__(self, blocks: int = 4):
         super().__init__()
         self.blocks = blocks
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         seqlen = q.shape[-2]
         n = min(self.blocks, seqlen)
         bounds = [seqlen * i // n for i in range(n + 1)]
@@ -84,8 +88,8 @@ class BlockwiseCausalAttention(nn.Module):
             # sliced masks, op-level selective checkpointing (torch's dispatch-mode SAC) on
             # torch_xla 2.9 gave wrong forward values from 4 blocks on (cause not found; the
             # selective_op tests compare against no checkpointing bit for bit).
-            above = (torch.arange(end, device=q.device)[None, :]
-                     > torch.arange(start, end, device=q.device)[:, None])
-            scores = scores.masked_fill(above, float("-inf"))  # never a whole row
+            mask = attention_mask(torch.arange(start, end, device=q.device),
+                                  torch.arange(end, device=q.device), document_ids)
+            scores = scores.masked_fill(~mask, float("-inf"))  # never a whole row: a query sees itself
             outs.append(_ProbsTimesValues.apply(torch.softmax(scores, dim=-1), v[..., :end, :]))
         return torch.cat(outs, dim=-2)

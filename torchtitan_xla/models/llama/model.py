@@ -48,9 +48,10 @@ def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim]."""
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim] by the angles
+    of each token's position, cos and sin: [seq, head_dim // 2] or per sequence [batch, seq, ...]."""
     x0, x1 = _upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     # Back to the compute dtype: under bf16 autocast q, k and v must share a dtype for SDPA.
     return out.type_as(x)
@@ -79,17 +80,31 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-class ScaledDotProductAttention(nn.Module):
-    """Causal attention over [batch, heads, seq, head_dim]; a module so a kernel can replace it
-    (attention_kernels.py)."""
+def attention_mask(queries: torch.Tensor, keys: torch.Tensor,
+                   document_ids: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each query sees: causal over positions `queries` [q] and `keys` [k], and with
+    `document_ids` [batch, seq] (several documents packed in one sequence) only its own document's.
+    [q, k], or [batch, 1, q, k] with documents."""
+    mask = keys[None, :] <= queries[:, None]
+    if document_ids is None:
+        return mask
+    same = document_ids[:, queries, None] == document_ids[:, None, keys]
+    return (mask & same)[:, None]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+
+class ScaledDotProductAttention(nn.Module):
+    """Causal attention over [batch, heads, seq, head_dim], within documents if `document_ids`
+    [batch, seq] are given; a module so a kernel can replace it (attention_kernels.py)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         # SDPA's decomposition (and `@`) folds batch and heads into one dimension, which cannot be
         # split over two mesh axes: with a sharded batch, tensor parallelism would then gather
         # every head onto every device. einsum keeps them apart.
         scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        probs = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).type_as(v)
+        seq = torch.arange(q.shape[-2], device=q.device)
+        mask = attention_mask(seq, seq, document_ids)
+        probs = _upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
         return torch.einsum("bhqk,bhkd->bhqd", probs, v)
 
 
@@ -103,7 +118,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -111,7 +127,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
         k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        *(() if document_ids is None else (document_ids,)))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -148,8 +165,9 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -162,9 +180,13 @@ class TransformerBlock(nn.Module):
 class Layers(nn.ModuleDict):
     """The transformer blocks, keyed "0".."n-1" (names stay stable whatever wraps the blocks)."""
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Passed on only when given: wrappers (checkpointing, scan) then see the arguments they
+        # always saw.
+        extra = () if document_ids is None else (document_ids,)
         for layer in self.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, *extra)
         return h
 
 
@@ -183,19 +205,26 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos.float(), persistent=False)
         self.register_buffer("rope_sin", sin.float(), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
-        return self.output(self.hidden_states(tokens))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]. Several documents packed in
+        one sequence: `positions` [batch, seq] (restarting at each document) and `document_ids`
+        [batch, seq] (attention stays within a document)."""
+        return self.output(self.hidden_states(tokens, positions, document_ids))
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [batch, seq] -> the final normalised hidden states [batch, seq, dim], what the
-        output layer projects (a chunked loss projects them itself: torchtitan_xla/losses.py)."""
-        seqlen = tokens.shape[1]
-        # Copies, not views of the buffers: with op-level selective activation checkpointing a
-        # view left the buffer with a pending update after the step, which the replayed step's
-        # donated buffers then broke (torch_xla 2.9, "buffer ... is deleted" at step 2).
-        cos, sin = self.rope_cos[:seqlen].clone(), self.rope_sin[:seqlen].clone()
-        h = self.layers(self.tok_embeddings(tokens), cos, sin)
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As forward, up to the final normalised hidden states [batch, seq, dim], what the output
+        layer projects (a chunked loss projects them itself: torchtitan_xla/losses.py)."""
+        if positions is None:
+            seqlen = tokens.shape[1]
+            # Copies, not views of the buffers: with op-level selective activation checkpointing
+            # a view left the buffer with a pending update after the step, which the replayed
+            # step's donated buffers then broke (torch_xla 2.9, "buffer ... is deleted" at step 2).
+            cos, sin = self.rope_cos[:seqlen].clone(), self.rope_sin[:seqlen].clone()
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.layers(self.tok_embeddings(tokens), cos, sin, document_ids)
         return self.norm(h)
 
     @torch.no_grad()

@@ -51,17 +51,24 @@ def _permute_for(name: str, args: ModelArgs):
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our names and layout -> HF's. LoRA adapters (`...wq.lora_A.weight`) get peft's names under
+    the HF module (`...q_proj.lora_A.weight`); B's rows are wq's / wk's rows, permuted likewise."""
+    from torchtitan_xla.lora import split_adapter
+
     out = {}
     for name, t in state_dict.items():
         if name in _TOP_MAP:
             out[_TOP_MAP[name]] = t
             continue
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        base, adapter = split_adapter(name)
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", base)
         if not m or m.group(2) not in _LAYER_MAP:
             raise KeyError(f"no HuggingFace name for parameter {name!r}")
-        heads = _permute_for(name, args)
-        out[f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"] = (
-            _interleaved_to_half(t, heads) if heads else t)
+        hf = f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+        if adapter is not None:
+            hf = hf.removesuffix(".weight") + f".{adapter}.weight"
+        heads = _permute_for(base, args) if adapter != "lora_A" else None
+        out[hf] = _interleaved_to_half(t, heads) if heads else t
     return out
 
 

@@ -1,0 +1,169 @@
+"""Conversations for instruction tuning (SFT): the record format and the chat formats.
+
+Records (`[training] dataset = "chat"`: JSON lines at dataset_path, a file, folder or glob, local
+or a URL; `"python_docs_chat"`: embedded, offline). One JSON object per line, either
+
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                  {"role": "assistant", "content": "..."}, ...]}
+    {"prompt": "...", "completion": "..."}            (optionally with "system": "...")
+
+The second form is one user turn answered by one assistant turn. A conversation is an optional
+system message, then user and assistant turns alternating, ending with the assistant's (the shape
+both chat formats below can render); other fields of a record are ignored. Local files are
+checked whole when the dataset is built, so a bad line stops the run before training starts,
+with `file:line` and the problem; files behind a URL are checked as they are read.
+
+Rendering (`render`) follows Meta's reference code for the tokenizer's model family:
+- Llama 3 (tiktoken): <|begin_of_text|>, then per message <|start_header_id|> role
+  <|end_header_id|> "\\n\\n" content.strip() <|eot_id|>. Special tokens are ids, never parsed from
+  text: message text that looks like a special token stays plain text.
+- Llama 2 (sentencepiece): a system message is folded into the first user turn as
+  "<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}"; each (user, assistant) pair is
+  BOS + "[INST] {user} [/INST] {assistant} " + EOS.
+Only the assistant's tokens are trained: its content, and its closing <|eot_id|> (Llama 3) or EOS
+(Llama 2), so the model learns to stop. Headers, BOS, system and user turns are context only.
+
+Training rows (packing.ChatDataset): a conversation of n tokens gives n - 1 (input, label) pairs,
+label i = ids[i + 1], or -100 (ignored by the loss) where ids[i + 1] is not trained. Each row is
+four int64 tensors of seq_len: inputs, labels, positions (0 at each conversation's first token)
+and document ids (1, 2, ... for the conversations of the row, 0 for padding). With packing,
+conversations fill a row greedily in stream order; without, each has its own row. Padding has
+input = the tokenizer's pad id (EOS where it has none), label -100, position 0, document id 0.
+A conversation longer than seq_len is truncated to seq_len (a warning, logged once).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchtitan_xla.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torchtitan_xla.datasets.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+SHAPE = ("a conversation is an optional system message, then user and assistant turns "
+         "alternating, ending with the assistant's")
+
+Message = dict[str, str]
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+
+
+def parse_conversation(record: object) -> list[Message]:
+    """A JSON record (already decoded) -> its messages as [{"role", "content"}, ...]. Raises a
+    ConfigError saying what is wrong (the reader adds the file and line)."""
+    if isinstance(record, dict) and "messages" in record:
+        raw = record["messages"]
+        if not isinstance(raw, list):
+            raise ConfigError(f"'messages' is a {type(raw).__name__}, expected a list")
+        messages = []
+        for k, m in enumerate(raw, 1):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ConfigError(f"message {k}: expected an object with 'role' and 'content' strings")
+            messages.append({"role": m["role"], "content": m["content"]})
+    elif isinstance(record, dict) and isinstance(record.get("prompt"), str) \
+            and isinstance(record.get("completion"), str):
+        system = record.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ConfigError(f"'system' is a {type(system).__name__}, expected a string")
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages += [{"role": "user", "content": record["prompt"]},
+                     {"role": "assistant", "content": record["completion"]}]
+    else:
+        found = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f"not a conversation: expected a 'messages' list, or 'prompt' and "
+                          f"'completion' strings (found: {found or 'an empty object'})")
+    _check_turns(messages)
+    return messages
+
+
+def _check_turns(messages: list[Message]) -> None:
+    roles = [m["role"] for m in messages]
+    for k, role in enumerate(roles, 1):
+        if role not in ROLES:
+            raise ConfigError(f"message {k}: unknown role {role!r} (expected {', '.join(ROLES)})")
+    if "assistant" not in roles:
+        raise ConfigError("no assistant turn: nothing to train on")
+    first = 1 if roles[0] == "system" else 0
+    for k, role in enumerate(roles[first:], first):
+        expected = "user" if (k - first) % 2 == 0 else "assistant"
+        if role != expected:
+            raise ConfigError(f"message {k + 1}: role {role!r} where {expected!r} was expected "
+                              f"({SHAPE})")
+    if roles[-1] != "assistant":
+        raise ConfigError(f"the last message is the user's ({SHAPE})")
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering: messages -> token ids and which of them are trained
+# --------------------------------------------------------------------------------------------
+
+
+def chat_format(tokenizer: Tokenizer) -> str:
+    """"llama3" or "llama2": the chat format of the tokenizer's model family."""
+    from torchtitan_xla.datasets.tokenizer.sentencepiece import SentencePieceTokenizer
+    from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer
+
+    if isinstance(tokenizer, TikTokenizer):
+        return "llama3"
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return "llama2"
+    # build_tokenizer only makes the two above; a chat format is never guessed.
+    raise TypeError(f"no chat format for a {type(tokenizer).__name__}: chat datasets need a "
+                    f"Llama 3 (tiktoken) or Llama 2 (sentencepiece) tokenizer")
+
+
+def pad_id(tokenizer: Tokenizer) -> int:
+    """The id padding positions hold (their labels are ignored, so any valid id would do)."""
+    pad = getattr(tokenizer, "pad_id", -1)
+    return pad if pad >= 0 else tokenizer.eos_id
+
+
+def render(messages: list[Message], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids in the tokenizer's chat format, and for each id whether it is
+    trained (the assistant's content and end-of-turn token)."""
+    if chat_format(tokenizer) == "llama3":
+        return _render_llama3(messages, tokenizer)
+    return _render_llama2(messages, tokenizer)
+
+
+def _render_llama3(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
+    special = tokenizer.special_tokens
+    ids, trained = [special["<|begin_of_text|>"]], [False]
+    for m in messages:
+        header = [special["<|start_header_id|>"], *tokenizer.encode(m["role"], bos=False, eos=False),
+                  special["<|end_header_id|>"], *tokenizer.encode("\n\n", bos=False, eos=False)]
+        body = [*tokenizer.encode(m["content"].strip(), bos=False, eos=False), special["<|eot_id|>"]]
+        ids += header + body
+        trained += [False] * len(header) + [m["role"] == "assistant"] * len(body)
+    return ids, trained
+
+
+B_INST, E_INST = "[INST]", "[/INST]"
+B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+
+
+def _render_llama2(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
+    if messages[0]["role"] == "system":
+        messages = [{"role": "user", "content": B_SYS + messages[0]["content"] + E_SYS
+                     + messages[1]["content"]}, *messages[2:]]
+    ids: list[int] = []
+    trained: list[bool] = []
+    for prompt, answer in zip(messages[::2], messages[1::2], strict=True):
+        question = f"{B_INST} {prompt['content'].strip()} {E_INST}"
+        pair = tokenizer.encode(f"{question} {answer['content'].strip()} ", bos=True, eos=True)
+        # The ids are those of the whole string, as Meta's reference encodes it. The answer's
+        # tokens are what follows the longest common prefix with the question's own encoding:
+        # pieces start at whitespace, so that prefix is the whole question, and a piece that
+        # spanned the boundary would count as the answer's (it holds answer text).
+        asked = tokenizer.encode(question, bos=True, eos=False)
+        common = next((i for i, (a, b) in enumerate(zip(asked, pair)) if a != b),
+                      min(len(asked), len(pair)))
+        ids += pair
+        trained += [False] * common + [True] * (len(pair) - common)
+    return ids, trained
