@@ -12,7 +12,6 @@ result loads with `transformers.AutoModelForCausalLM.from_pretrained(hf_out)` (a
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from torchtitan_xla.checkpoint.commit import LORA_FILE, read_model_state  # noqa: E402
+from torchtitan_xla.checkpoint.commit import LORA_FILE, read_lora_settings, read_model_state  # noqa: E402
 from torchtitan_xla.checkpoint.hf import export_hf, export_peft  # noqa: E402
 from torchtitan_xla.errors import ConfigError, run_main  # noqa: E402
 
@@ -35,8 +34,7 @@ def main() -> int:
     ap.add_argument("--peft", help="LoRA checkpoints: also write the adapters as a PEFT folder here")
     args = ap.parse_args()
     state, model_args = read_model_state(args.checkpoint)
-    lora_file = Path(args.checkpoint) / LORA_FILE
-    lora = json.loads(lora_file.read_text()) if lora_file.is_file() else None
+    lora = read_lora_settings(args.checkpoint)
     if args.peft and lora is None:
         raise ConfigError(f"--peft: {args.checkpoint} holds no LoRA adapters (no {LORA_FILE})")
     tokenizer = None

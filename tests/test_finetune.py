@@ -196,3 +196,26 @@ def test_lora_on_chat_data_resumes_bit_exactly(straight, tmp_path):
     resumed, log = run(tmp_path, *flags)
     assert "Resumed from" in log and sorted(resumed) == [4, 5, 6]
     assert resumed == {s: straight_losses[s] for s in (4, 5, 6)}
+
+
+def test_the_exported_tokenizers_chat_template_renders_as_training_does(tmp_path):
+    """transformers' apply_chat_template on the exported tokenizer gives the ids training rendered,
+    for every conversation of the embedded set (chat served from an exported model sees the
+    format it was fine-tuned on)."""
+    import json
+
+    import transformers
+
+    from torchtitan_xla.datasets import build_tokenizer
+    from torchtitan_xla.datasets.chat import render
+    from torchtitan_xla.datasets.sources import load_documents
+
+    tokenizer = build_tokenizer("")
+    tokenizer.save_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    conversations = [json.loads(r["messages"]) for r in load_documents("python_docs_chat", "", "train")]
+    assert len(conversations) > 300
+    for messages in conversations:
+        assert hf.apply_chat_template(messages, tokenize=True)["input_ids"] == render(messages, tokenizer)[0]
+    prompt = hf.apply_chat_template(conversations[0][:-1], add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -25,7 +25,7 @@ def test_export_loads_in_transformers_with_equal_logits(straight):
     folder, _, _ = straight
     hf_dir = folder / "checkpoint" / "step-6-hf"
     assert {p.name for p in hf_dir.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json",
-                                                   "tokenizer_config.json"}
+                                                   "tokenizer_config.json", "chat_template.jinja"}
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
@@ -81,5 +81,5 @@ def test_convert_to_hf_script_matches_the_in_training_export(straight, tmp_path)
     b = load_file(str(exported / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in exported.iterdir())
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (exported / name).read_bytes(), name

@@ -36,7 +36,7 @@ def test_adapted_model_equals_peft_and_the_exports_load(tmp_path, monkeypatch):
     """A fixed, non-zero adapter: our logits equal peft's LoRA on LlamaForCausalLM built from the
     exported base and the exported PEFT folder, in float64; the merged export is base + (alpha/r) B A
     and computes the same logits as a plain LlamaForCausalLM."""
-    peft = pytest.importorskip("peft")
+    import peft
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
@@ -246,3 +246,31 @@ def test_flops_per_token_count_no_weight_gradient_for_frozen_weights():
     flops = num_flops_per_token(args, model.num_params(exclude_embedding=True), 256,
                                 frozen=frozen_matmul_params(model))
     assert flops == 4 * base + 6 * adapters + attention
+
+
+def test_evaluating_a_lora_checkpoint_equals_evaluating_its_merged_export(lora_runs, tmp_path):
+    """`python -m torchtitan_xla.eval` on the LoRA run's checkpoint (adapters merged on load, from
+    lora.json) scores as on the merged HF export."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, _env
+
+    folder, _ = lora_runs["1 device"]
+    task = tmp_path / "ppl.jsonl"
+    task.write_text("".join(json.dumps({"text": t}) + "\n" for t in (
+        "What does the Python reference say about the assert statement?",
+        "Assert statements are a convenient way to insert debugging assertions into a program.")))
+    scores = []
+    for name, weights in (("checkpoint", "step-5"), ("merged", "step-5-hf")):
+        out = tmp_path / name
+        p = subprocess.run([sys.executable, "-m", "torchtitan_xla.eval",
+                            *tiny_args(out, "--training.seq_len", "256"),
+                            "--eval.checkpoint", str(folder / "checkpoint" / weights),
+                            "--eval.tasks", f"perplexity:{task}", "--eval.batch_size", "2"],
+                           capture_output=True, text=True, env=_env(1, None), cwd=REPO, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        scores.append(json.loads((out / "eval_results.json").read_text())["samples"])
+    (task_name, checkpoint), = scores[0].items()
+    for (ll, _), (ll_merged, _) in zip(checkpoint, scores[1][task_name], strict=True):
+        assert ll == pytest.approx(ll_merged, rel=1e-6, abs=1e-6)

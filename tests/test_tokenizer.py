@@ -203,7 +203,8 @@ def _assert_hf_round_trip(ours, out_dir, texts=TEXTS):
 
 def test_tiktoken_export_loads_in_auto_tokenizer(tiktok, tmp_path):
     hf = _assert_hf_round_trip(tiktok, tmp_path / "hf")
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["chat_template.jinja", "tokenizer.json",
+                                                                 "tokenizer_config.json"]
     assert len(hf) == tiktok.n_words
     assert hf.convert_tokens_to_ids(["<|eot_id|>", "<|finetune_right_pad_id|>"]) == [tiktok.eot_id, tiktok.pad_id]
 

@@ -163,6 +163,14 @@ def read_model_state(step_dir: str):
     return states["model"], model_args_from_json(storage.read_text(storage.join(path, MODEL_ARGS_FILE)))
 
 
+def read_lora_settings(step_dir: str) -> dict | None:
+    """The [lora] settings a checkpoint step with LoRA adapters was saved with (None: no adapters)."""
+    import json
+
+    path = storage.join(str(step_dir), LORA_FILE)
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
 def write_model_checkpoint(state_dict, args, step_dir: str, step: int = 0) -> None:
     """A weights-only checkpoint step folder from host tensors (seed / converted checkpoints)."""
     import torch.distributed.checkpoint as dcp

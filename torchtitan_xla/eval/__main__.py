@@ -58,11 +58,12 @@ def main(job_config: JobConfig) -> dict:
 
     import torch
 
-    from torchtitan_xla.checkpoint.commit import read_model_state
+    from torchtitan_xla.checkpoint.commit import read_lora_settings, read_model_state
     from torchtitan_xla.checkpoint.hf import load_hf_into_model, load_into_model, model_args_from_hf_config
     from torchtitan_xla.datasets import build_tokenizer, check_vocab_size
     from torchtitan_xla.eval import evaluate, parse_task, write_results
     from torchtitan_xla.logging import init_logger, logger
+    from torchtitan_xla.lora import merge
     from torchtitan_xla.models import get_model_class
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.storage import check_writable, join
@@ -79,6 +80,9 @@ def main(job_config: JobConfig) -> dict:
         state = None
     else:
         state, model_args = read_model_state(path)
+        lora = read_lora_settings(path)
+        if lora is not None:  # a LoRA run's checkpoint: evaluate the adapted model
+            state = merge(state, lora["alpha"])
     model_args = dataclasses.replace(model_args, max_seq_len=job_config.training.seq_len)
 
     device = runtime.init_spmd()

@@ -91,8 +91,8 @@ class TikTokenizer(Tokenizer):
 
     def save_pretrained(self, out_dir) -> None:
         """tokenizer.json (byte-level BPE with Llama 3's pattern, converted by transformers' own
-        TikTokenConverter, and the special tokens at their ids) and tokenizer_config.json; BOS is
-        added as Llama 3's HF tokenizers add it."""
+        TikTokenConverter, and the special tokens at their ids), tokenizer_config.json and the Llama
+        3 chat template (chat_template.jinja); BOS is added as Llama 3's HF tokenizers add it."""
         import tempfile
 
         from tokenizers import AddedToken, processors
@@ -114,8 +114,11 @@ class TikTokenizer(Tokenizer):
         bos = "<|begin_of_text|>"
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
+        from torchtitan_xla.datasets.chat import LLAMA3_CHAT_TEMPLATE
+
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos,
-                                     eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>")
+                                     eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>",
+                                     chat_template=LLAMA3_CHAT_TEMPLATE)
         hf.save_pretrained(str(out_dir))
 
 
