@@ -43,8 +43,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.lora import apply_lora, frozen_matmul_params, init_adapters
     from torchtitan_xla.losses import IGNORE_INDEX, build_loss_fn
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
-    from torchtitan_xla.models import get_model_args, get_model_class
+    from torchtitan_xla.models import get_model_args, get_model_class, moe_overrides
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
+    from torchtitan_xla.models.llama.moe import inactive_expert_params, set_router_loss_weights
     from torchtitan_xla.optimizer import (
         build_lr_scheduler,
         build_optimizer,
@@ -105,7 +106,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
                                 **{"vocab_size": tokenizer.n_words, "max_seq_len": training.seq_len,
-                                   **(model_overrides or {})})
+                                   **moe_overrides(job_config.moe), **(model_overrides or {})})
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim)
@@ -117,8 +118,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # freezes the model and adds adapters beside the target weights, under their layers' names.
     convert_to_float8_training(model, job_config.float8)
     apply_lora(model, job_config.lora)
-    flops_per_token = num_flops_per_token(model_args, model.num_params(exclude_embedding=True),
-                                          training.seq_len, frozen=frozen_matmul_params(model))
+    # MFU's FLOPs: active parameters only (an MoE token runs top_k of its experts).
+    flops_per_token = num_flops_per_token(
+        model_args, model.num_params(exclude_embedding=True) - inactive_expert_params(model),
+        training.seq_len, frozen=frozen_matmul_params(model))
     apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
 
     # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
@@ -196,6 +199,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
 
     trainable = [p for p in model.parameters() if p.requires_grad]
+    # MoE: the router losses enter the backward pass inside each MoE block, weighted like the loss
+    # (averaged over the blocks and the microbatches); their values are logged.
+    moe_blocks = set_router_loss_weights(model, job_config.moe.aux_loss_weight,
+                                         job_config.moe.z_loss_weight, accumulation_steps)
 
     def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor):
         """One optimizer step on the batch; `packing` is (positions, document_ids) when several
@@ -207,10 +214,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         # written as the plain mean, the graph the plan's memory model was calibrated on.
         counted = labels != IGNORE_INDEX if packing else None
         total = counted.sum().clamp(min=1) if packing else None
-        loss, rank_token_losses = 0.0, []
+        loss, rank_token_losses, router = 0.0, [], []
         for mb_inputs, mb_labels, *mb_packing in zip(*(microbatches(t) for t in (inputs, labels, *packing))):
             # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
             token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_packing)
+            router += [m.router_stats for m in moe_blocks]  # [aux, z, dropped] of this forward
             mb_loss = token_losses.sum() / total if packing else token_losses.mean() / accumulation_steps
             mb_loss.backward()
             loss = loss + mb_loss.detach()
@@ -225,7 +233,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1) for c in microbatches(counted)], 1)
                         if packing else None)
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
-        return torch.stack([loss, grad_norm.detach(), max_loss])
+        stats = torch.stack([loss, grad_norm.detach(), max_loss])
+        return torch.cat([stats, torch.stack(router).mean(0)]) if router else stats
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break. With `replay` the graph is traced at the first two steps and then replayed, so
@@ -262,8 +271,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             if (step == first_step or step % job_config.metrics.log_freq == 0
                     or step == training.steps or validating):
                 # The one host transfer per log step; it waits for this step to finish.
-                loss, grad_norm, max_loss = step_stats.tolist()
-                history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss))
+                loss, grad_norm, max_loss, *router = step_stats.tolist()
+                history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss, tuple(router) or None))
             if validating:
                 # Its graph compiles at its first two calls, and never again (the guard checks).
                 with compile_guard.allowed() if validator.warming_up else contextlib.nullcontext():

@@ -193,6 +193,9 @@ class StepStats:
     memory: Memory
     eta_seconds: float
     validation_loss: float | None = None  # when [validation] ran after this step
+    # MoE models: the router's load-balancing loss, z-loss and fraction of token choices dropped by
+    # capacity, each the mean over MoE blocks and microbatches.
+    router: tuple[float, float, float] | None = None
 
 
 def _eta(seconds: float) -> str:
@@ -232,7 +235,7 @@ class MetricLogger:
         self._data_wait += seconds
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float,
-            max_loss: float | None = None) -> StepStats:
+            max_loss: float | None = None, router: tuple[float, float, float] | None = None) -> StepStats:
         now = time.perf_counter()
         steps = max(step - self._last_step, 1)
         dt = (now - self._last_time) / steps
@@ -246,7 +249,7 @@ class MetricLogger:
         stats = StepStats(step=step, loss=loss, max_loss=loss if max_loss is None else max_loss,
                           grad_norm=grad_norm, lr=lr, tokens_per_second=tps, tflops=flops / 1e12,
                           mfu=mfu, step_time=dt, data_wait=data_wait, memory=memory,
-                          eta_seconds=eta)
+                          eta_seconds=eta, router=router)
         if self.enabled:
             self._print(stats)
             self._write(stats)
@@ -276,6 +279,9 @@ class MetricLogger:
         if self.dp_degree > 1:
             loss += f" (max {s.max_loss:.4f})"
         mfu = "n/a" if s.mfu is None else f"{s.mfu:.2f}%"
+        if s.router is not None:
+            aux, z, dropped = s.router
+            loss += f"  router aux: {aux:.4f} z: {z:.3f} dropped: {100 * dropped:.1f}%"
         logger.info(
             f"{c.cyan}step: {s.step:>5}  {c.green}{loss}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
             f"lr: {s.lr:.2e}  {c.yellow}memory: {s.memory}  "
@@ -302,6 +308,9 @@ class MetricLogger:
         }
         if s.mfu is not None:  # no made-up number when the peak is unknown
             scalars["mfu(%)"] = s.mfu
+        if s.router is not None:
+            scalars.update(zip(("moe/aux_loss", "moe/z_loss", "moe/dropped(%)"),
+                               (s.router[0], s.router[1], 100 * s.router[2])))
         self._emit(scalars, s.step)
 
     def close(self) -> None:

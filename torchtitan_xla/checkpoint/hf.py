@@ -1,6 +1,6 @@
 """HuggingFace interop: export to a folder `transformers` loads whole (`model.safetensors` +
-`config.json` for `LlamaForCausalLM`, and the tokenizer for `AutoTokenizer`), LoRA adapters as a
-folder `peft` loads, and import HF Llama weights as initial weights.
+`config.json` for `LlamaForCausalLM` or `MixtralForCausalLM`, and the tokenizer for `AutoTokenizer`),
+LoRA adapters as a folder `peft` loads, and import HF Llama / Mixtral weights as initial weights.
 
 Names and the RoPE q/k layout are converted by models/llama/state_dict_adapter.py; this module does
 the file I/O and moves whole tensors between host memory and the (sharded) device parameters, one
@@ -37,22 +37,34 @@ def model_args_from_json(text: str) -> ModelArgs:
 
 
 def model_args_from_hf_config(cfg: dict) -> ModelArgs:
-    """ModelArgs computing what `LlamaForCausalLM` with this config computes."""
+    """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`) with this config computes."""
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg.get("head_dim", dim // heads) != dim // heads:
+    if (cfg.get("head_dim") or dim // heads) != dim // heads:  # transformers 5 writes null for "derived"
         raise ConfigError("config.json: head_dim != hidden_size / num_attention_heads is not supported")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_scaling = None
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         rope_scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
                                    scaling["original_max_position_embeddings"])
-    theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    moe, multiplier = {}, None
+    if cfg.get("model_type") == "mixtral":
+        if cfg.get("sliding_window") is not None:
+            raise ConfigError("config.json: sliding-window attention (sliding_window) is not supported")
+        # Every block has experts of intermediate_size; top-k renormalised, dropless (Mixtral).
+        moe = dict(num_experts=cfg.get("num_local_experts", 8), top_k=cfg.get("num_experts_per_tok", 2),
+                   moe_hidden_dim=cfg["intermediate_size"])
+        # The dense FFN size (unused: every block has experts) is made intermediate_size as well;
+        # rounding up to multiple_of alone cannot give a size below Llama's 8/3 dim.
+        if cfg["intermediate_size"] < int(2 * 4 * dim / 3):
+            multiplier = cfg["intermediate_size"] / int(2 * 4 * dim / 3)
+    # transformers' default rope_theta: Mixtral's when the config leaves it out.
+    theta = cfg.get("rope_theta", scaling.get("rope_theta", 1e6 if moe else 10000.0))
     # The FFN size is given directly; pick multiple_of so that ModelArgs reproduces it exactly.
     return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
                      n_kv_heads=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
-                     multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=None,
+                     multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=multiplier,
                      norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=rope_scaling,
-                     max_seq_len=cfg.get("max_position_embeddings", 2048))
+                     max_seq_len=cfg.get("max_position_embeddings", 2048), **moe)
 
 
 # ---- files ------------------------------------------------------------------------------------
@@ -120,16 +132,21 @@ def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) 
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *,
-              dtype: torch.dtype = torch.float32, tokenizer=None, lora: dict | None = None) -> None:
+              dtype: torch.dtype = torch.float32, tokenizer=None, lora: dict | None = None,
+              router_aux_loss_coef: float = 0.0) -> None:
     """Weights and config.json; with `tokenizer`, also its HF files and its BOS/EOS ids. A model
-    with LoRA adapters (`lora`: the [lora] section as a dict) is exported merged, W + (alpha/r) B A."""
+    with LoRA adapters (`lora`: the [lora] section as a dict) is exported merged, W + (alpha/r) B A.
+    A mixture-of-experts model is written as Mixtral, with `router_aux_loss_coef` in its config
+    (only experts in every block have a HuggingFace architecture: hf_config raises otherwise)."""
+    # The config first: a model transformers has no architecture for fails before any conversion.
+    bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
+    config = hf_config(args, bos_id=bos, eos_id=eos, dtype=str(dtype).removeprefix("torch."),
+                       router_aux_loss_coef=router_aux_loss_coef)
     if lora is not None:
         state_dict = merge(state_dict, lora["alpha"])
     elif any(is_adapter(k) for k in state_dict):
         raise ValueError("the weights hold LoRA adapters: export_hf needs their [lora] settings")
     tensors = {k: v.to(dtype) for k, v in to_hf(state_dict, args).items()}
-    bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
-    config = hf_config(args, bos_id=bos, eos_id=eos, dtype=str(dtype).removeprefix("torch."))
     write_hf(tensors, config, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -37,7 +37,8 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama2", "llama3"] = opt("llama3", "Model family.")
+    name: Literal["llama2", "llama3", "mixtral"] = opt(
+        "llama3", "Model family (mixtral: Llama blocks with mixture-of-experts feed-forwards, docs/moe.md).")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
         "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
@@ -139,6 +140,26 @@ class Loss:
         0, "0: the loss on full [tokens, vocab] logits. N: the output projection and the loss run "
         "over N tokens of every data-parallel rank at a time, forward and backward, so the full "
         "logits never exist (must divide local_batch_size x seq_len).", ge=0)
+
+
+@dataclass
+class MoE:
+    num_experts: int = opt(
+        0, "Experts per mixture-of-experts block; 0: the flavor's (mixtral: 8; llama flavors are dense). "
+        "> 0 on a llama flavor makes every moe_every-th block an MoE (GLaM-style).", ge=0)
+    top_k: int = opt(0, "Experts each token is routed to; 0: the flavor's (2).", ge=0)
+    moe_every: int = opt(
+        0, "One block in every this many is an MoE (1: all, as Mixtral; 2: every other, as GLaM); "
+        "0: the flavor's.", ge=0)
+    capacity_factor: float = opt(
+        0.0, "0: dropless, every token reaches its top_k experts. c > 0: each expert takes at most "
+        "c x top_k x seq_len / num_experts tokens of a sequence; the rest skip the block's "
+        "feed-forward (the residual carries them) and the drop rate is logged.", ge=0)
+    aux_loss_weight: float = opt(
+        0.01, "Weight of the load-balancing loss (Switch / Mixtral form), averaged over MoE blocks.", ge=0)
+    z_loss_weight: float = opt(
+        0.001, "Weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2), averaged over "
+        "MoE blocks.", ge=0)
 
 
 @dataclass
@@ -331,6 +352,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     loss: Loss = field(default_factory=Loss)
+    moe: MoE = field(default_factory=MoE)
     lora: LoRA = field(default_factory=LoRA)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)

@@ -328,6 +328,39 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
         raise ConfigError(
             f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
             f"{cfg.model.name}; expected one of {', '.join(known)}")
+    _validate_moe(cfg, sources)
+
+
+def _validate_moe(cfg: JobConfig, sources: _Sources) -> None:
+    """[moe] against the model it changes, before anything is built."""
+    from torchtitan_xla.models import get_model_args, moe_overrides
+
+    m, model = cfg.moe, f"{cfg.model.name} {cfg.model.flavor}"
+    args = get_model_args(cfg.model.name, cfg.model.flavor)
+    if not (m.num_experts or args.num_experts):
+        given = [k for k in ("top_k", "moe_every", "capacity_factor") if getattr(m, k)]
+        if given:
+            raise ConfigError(f"{sources.describe('moe', given[0])} = {getattr(m, given[0])!r}: the "
+                              f"model {model} is dense (no experts); set [moe] num_experts, or use "
+                              f"a mixtral flavor")
+        return
+    experts, top_k = m.num_experts or args.num_experts, m.top_k or args.top_k
+    if top_k > experts:
+        key = "top_k" if m.top_k else "num_experts"
+        raise ConfigError(f"{sources.describe('moe', key)} = {getattr(m, key)}: top_k ({top_k}) cannot "
+                          f"exceed num_experts ({experts}) of {model}")
+    every = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(m)).moe_every
+    if every > 1 and cfg.checkpoint.last_save_in_hf:
+        raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a model with "
+                          f"MoE in one block of every {every} (GLaM-style) has no HuggingFace architecture "
+                          f"to export to; keep the DCP checkpoints instead")
+    if cfg.float8.enable_float8_linear:
+        raise ConfigError(f"{sources.describe('float8', 'enable_float8_linear')} = true: float8 is "
+                          f"not supported with mixture-of-experts models ({model}) yet")
+    if cfg.compile.scan_layers:
+        raise ConfigError(f"{sources.describe('compile', 'scan_layers')} = true: scan is not "
+                          f"supported with mixture-of-experts models ({model}) yet (the router's "
+                          f"statistics are read from the blocks)")
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:

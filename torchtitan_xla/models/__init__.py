@@ -2,9 +2,9 @@
 
 import dataclasses
 
-from torchtitan_xla.models.llama.args import ModelArgs, llama2_configs, llama3_configs
+from torchtitan_xla.models.llama.args import ModelArgs, llama2_configs, llama3_configs, mixtral_configs
 
-models_config = {"llama2": llama2_configs, "llama3": llama3_configs}
+models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs}
 
 
 def flavors_of(name: str) -> list[str]:
@@ -20,8 +20,17 @@ def get_model_args(name: str, flavor: str, **overrides) -> ModelArgs:
     return dataclasses.replace(models_config[name][flavor], **overrides)
 
 
+def moe_overrides(moe) -> dict:
+    """ModelArgs overrides from a [moe] config section (any object with these attributes): each of
+    num_experts, top_k, moe_every, capacity_factor that is not 0 replaces the flavor's (0 keeps it;
+    the flavors' capacity_factor is 0, dropless)."""
+    return {k: getattr(moe, k) for k in ("num_experts", "top_k", "moe_every", "capacity_factor")
+            if getattr(moe, k)}
+
+
 def get_model_class(name: str) -> type:
-    """The nn.Module class of `model.name`; every family here is the one Llama Transformer."""
+    """The nn.Module class of `model.name`; every family here is the one Llama Transformer (Mixtral
+    is Llama with mixture-of-experts blocks, chosen by its ModelArgs)."""
     from torchtitan_xla.models.llama.model import Transformer
 
-    return {"llama2": Transformer, "llama3": Transformer}[name]
+    return {"llama2": Transformer, "llama3": Transformer, "mixtral": Transformer}[name]

@@ -37,6 +37,11 @@ TP_PLAN: dict[str, Spec] = {
     "layers.*.feed_forward.w1.weight": ("tp", None),
     "layers.*.feed_forward.w3.weight": ("tp", None),
     "layers.*.feed_forward.w2.weight": (None, "tp"),
+    # Mixture-of-experts blocks: every expert's SwiGLU split like the dense one, on its hidden dim
+    # (stacked [expert, out, in]); the router stays whole.
+    "layers.*.feed_forward.w1": (None, "tp", None),
+    "layers.*.feed_forward.w3": (None, "tp", None),
+    "layers.*.feed_forward.w2": (None, None, "tp"),
     # Vocab-parallel logits: the loss is computed on vocab shards, never on full logits.
     "output.weight": ("tp", None),
 }

@@ -80,6 +80,7 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
     it try the knobs that would make a job that does not fit fit."""
     from torchtitan_xla.lora import frozen_matmul_params
     from torchtitan_xla.metrics import num_flops_per_token
+    from torchtitan_xla.models.llama.moe import inactive_expert_params
     from torchtitan_xla.parallelisms import MESH_AXES, ParallelDims
 
     source = job_config.job.config_file or "the command line"
@@ -104,8 +105,8 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
     act_bytes = 2 if training.mixed_precision_param == "bfloat16" else 4
     sent = comms.theory(model, dims, tokens=training.local_batch_size * training.seq_len,
                         microbatches=microbatches, policy=policy, act_bytes=act_bytes)
-    flops = num_flops_per_token(args, model.num_params(exclude_embedding=True), training.seq_len,
-                                frozen=frozen_matmul_params(model))
+    active = model.num_params(exclude_embedding=True) - inactive_expert_params(model)
+    flops = num_flops_per_token(args, active, training.seq_len, frozen=frozen_matmul_params(model))
     tokens_per_device = global_batch * training.seq_len / target.chips
     model_seconds = flops * tokens_per_device / target.chip.peak_bf16_flops
     roofline = Roofline(model_seconds, model_seconds * recompute_factor(policy),

@@ -30,7 +30,7 @@ from torchtitan_xla.config import JobConfig
 BYTES_PARAM = BYTES_GRAD = BYTES_STATE = 4
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "Lion": 1, "Muon": 1, "Adafactor": 0}  # Adafactor: O(rows + cols)
 # Vocabulary of the real tokenizers, used when the tokenizer file is not at hand.
-DEFAULT_VOCAB = {"llama2": 32000, "llama3": 128256}
+DEFAULT_VOCAB = {"llama2": 32000, "llama3": 128256, "mixtral": 32000}
 
 # Per token, as multiples of (dim, FFN hidden size, heads x seq with sdpa, heads x seq with
 # blockwise): what the blocks of each kind keep for their backward (times their number), and what
@@ -133,14 +133,15 @@ def build_meta_model(job_config: JobConfig, vocab_size: int | None = None, **ove
 
     from torchtitan_xla.datasets.tokenizer.train_bpe import DEFAULT_VOCAB_SIZE
     from torchtitan_xla.lora import apply_lora
-    from torchtitan_xla.models import get_model_args, get_model_class
+    from torchtitan_xla.models import get_model_args, get_model_class, moe_overrides
 
     name = job_config.model.name
     if vocab_size is None:  # the tokenizer's, without reading it: the project's own, or Meta's
         vocab_size = (DEFAULT_VOCAB_SIZE + 256 if not job_config.model.tokenizer_path
                       else DEFAULT_VOCAB[name])
     args = get_model_args(name, job_config.model.flavor, **{
-        "vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len, **overrides})
+        "vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len,
+        **moe_overrides(job_config.moe), **overrides})
     with torch.device("meta"):
         model = get_model_class(name)(args)
     apply_lora(model, job_config.lora)

@@ -1,5 +1,5 @@
-"""Llama's hyperparameters and its published flavors; importable without torch (the launcher and
-config validation read them before XLA starts)."""
+"""Llama's and Mixtral's hyperparameters and their published flavors; importable without torch (the
+launcher and config validation read them before XLA starts)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,23 @@ class ModelArgs:
     max_seq_len: int = 2048
     # Scale the init of each block's output projections by its depth (torchtitan's default).
     depth_init: bool = True
+    # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
+    num_experts: int = 0  # 0: dense SwiGLU in every block
+    top_k: int = 2  # experts per token; their router probabilities are renormalised to sum 1
+    # Block i (0-based) is MoE when (i + 1) % moe_every == 0: 1 every block (Mixtral), 2 every
+    # other block, the first one dense (GLaM).
+    moe_every: int = 1
+    moe_hidden_dim: int | None = None  # each expert's SwiGLU hidden size; None: ffn_hidden_dim
+    # 0: dropless (every token reaches its top_k experts). c > 0: each expert takes at most
+    # ceil(c * top_k * S / num_experts) of a sequence's S tokens, the rest are dropped (GShard).
+    capacity_factor: float = 0.0
+
+    def __post_init__(self):
+        if self.num_experts < 0 or self.moe_every < 1 or self.capacity_factor < 0:
+            raise ValueError("ModelArgs: num_experts and capacity_factor must be >= 0, moe_every >= 1")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"ModelArgs: top_k must be in [1, num_experts={self.num_experts}], "
+                             f"not {self.top_k}")
 
     @property
     def head_dim(self) -> int:
@@ -47,6 +64,14 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.ffn_hidden_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block i (0-based) has a mixture of experts instead of the dense SwiGLU."""
+        return self.num_experts > 0 and (i + 1) % self.moe_every == 0
 
 
 # vocab_size comes from the tokenizer.
@@ -68,4 +93,22 @@ llama3_configs = {
                      multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling()),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
                       multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling()),
+}
+
+# Mixtral (Mistral AI, 2024): Mistral 7B's attention with 8 SwiGLU experts, top-2, in every block.
+# The published flavors' numbers are those of the checkpoints' config.json (transformers'
+# MixtralConfig defaults are 8x7B's; 8x22B's from mistral-community/Mixtral-8x22B-v0.1). Their
+# vocabulary comes from the tokenizer, as for Llama: 32000 for 8x7B, 32000 / 32768 for 8x22B
+# v0.1 / Instruct-v0.1. multiple_of makes the dense FFN size (used only in dense blocks, with
+# moe_every > 1) the experts' size, Mistral 7B's 14336 for 8x7B, as reading their config.json gives.
+# The debug model has Llama's debug attention (head_dim 16) and experts of half the dense debug FFN
+# (384 = 768 / 2): with top-2 it computes as much per token as the dense debug model, with 4x its
+# FFN parameters; 4 blocks keep a test step's compilation short.
+mixtral_configs = {
+    "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=16, n_kv_heads=8, rope_theta=1e6,
+                            num_experts=8, top_k=2, moe_hidden_dim=384),
+    "8x7B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=14336, rope_theta=1e6,
+                      norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=14336),
+    "8x22B": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, multiple_of=16384, rope_theta=1e6,
+                       norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=16384),
 }

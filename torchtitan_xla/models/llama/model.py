@@ -1,7 +1,11 @@
-"""Llama 2 and Llama 3 / 3.1 in one file: plain PyTorch, no parallelism code.
+"""Llama 2 and Llama 3 / 3.1 in one file: plain PyTorch, no parallelism code. With
+`ModelArgs.num_experts` it is Mixtral: some or all blocks have a mixture of experts (moe.py) in
+place of the SwiGLU.
 
 Parameter names follow Meta's checkpoints (and torchtitan): `tok_embeddings`, `layers.N.attention.
-wq|wk|wv|wo`, `layers.N.feed_forward.w1|w2|w3`, `layers.N.attention_norm|ffn_norm`, `norm`, `output`.
+wq|wk|wv|wo`, `layers.N.feed_forward.w1|w2|w3`, `layers.N.attention_norm|ffn_norm`, `norm`, `output`;
+a mixture of experts is the block's `feed_forward` too: `layers.N.feed_forward.router.weight` and
+the stacked experts `layers.N.feed_forward.w1|w2|w3`.
 Parallelism, activation checkpointing and scan are applied from outside by module name
 (torchtitan_xla/parallelisms); attention is its own module (`attention.sdpa`) so a kernel can be
 swapped in the same way.
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_xla.models.llama.args import ModelArgs
+from torchtitan_xla.models.llama.moe import MoE
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +164,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        if args.is_moe_layer(layer_id):
+            self.feed_forward = MoE(args.dim, args.expert_hidden_dim, args.num_experts, args.top_k,
+                                    args.capacity_factor)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers

@@ -1,8 +1,16 @@
-"""Llama weights between this project's (Meta's) names and layout and HuggingFace `transformers`'.
+"""Llama and Mixtral weights between this project's (Meta's) names and layout and HuggingFace
+`transformers`'.
 
 Two differences: the names, and RoPE's layout. Meta rotates interleaved pairs (x0,x1),(x2,x3)...;
-HF rotates the first half of each head against the second ("rotate_half"). The rows of wq and wk
-are permuted so that both compute the same attention.
+HF rotates the first half of each head against the second ("rotate_half"), in Llama and Mixtral
+alike. The rows of wq and wk are permuted so that both compute the same attention.
+
+Mixture-of-experts blocks are written as Mixtral's checkpoints hold them and as transformers 5's
+MixtralForCausalLM.save_pretrained writes them (from_pretrained fuses them on load): one tensor per
+expert, `model.layers.N.block_sparse_moe.experts.E.w1|w2|w3.weight`, and the router
+`model.layers.N.block_sparse_moe.gate.weight`. Reading also takes transformers 5's in-memory layout
+(`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2 * hidden, dim] = w1 then w3, and
+`mlp.experts.down_proj` [E, dim, hidden]), as a MixtralForCausalLM's own state_dict() holds it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,45 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+# Ours (stacked over experts) -> the per-expert HF name, with {} for the expert's index.
+_EXPERT_MAP = {f"feed_forward.{w}": f"block_sparse_moe.experts.{{}}.{w}.weight" for w in ("w1", "w2", "w3")}
+_ROUTER = ("feed_forward.router.weight", "block_sparse_moe.gate.weight")
+
+
+def _moe_to_hf(layer: str, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    if name == _ROUTER[0]:
+        return {f"model.layers.{layer}.{_ROUTER[1]}": t}
+    return {f"model.layers.{layer}.{_EXPERT_MAP[name].format(e)}": t[e] for e in range(t.shape[0])}
+
+
+def _moe_from_hf(layers: dict[str, dict[str, torch.Tensor]], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """{layer: {HF name within the layer: tensor}} of the mixture-of-experts weights -> ours."""
+    out = {}
+    for layer, tensors in layers.items():
+        ours = f"layers.{layer}.feed_forward"
+        for router in (_ROUTER[1], "mlp.gate.weight"):  # on disk, in memory
+            if router in tensors:
+                out[f"{ours}.router.weight"] = tensors.pop(router)
+        # transformers 5's in-memory layout: w1 and w3 of every expert in one tensor, then w2.
+        if "mlp.experts.gate_up_proj" in tensors:
+            w1, w3 = tensors.pop("mlp.experts.gate_up_proj").chunk(2, dim=1)
+            out[f"{ours}.w1"], out[f"{ours}.w3"] = w1.contiguous(), w3.contiguous()
+        if "mlp.experts.down_proj" in tensors:
+            out[f"{ours}.w2"] = tensors.pop("mlp.experts.down_proj")
+        for name, hf in _EXPERT_MAP.items():  # on disk: one tensor per expert
+            experts = [tensors.pop(hf.format(e), None) for e in range(args.num_experts)]
+            if all(t is None for t in experts):
+                continue
+            if any(t is None for t in experts):
+                raise KeyError(f"model.layers.{layer}.{hf.format('E')} is missing for some of the "
+                               f"{args.num_experts} experts")
+            out[f"layers.{layer}.{name}"] = torch.stack(experts)
+        if tensors:  # e.g. more experts than args.num_experts
+            name = next(iter(tensors))
+            raise KeyError(f"unexpected HuggingFace Mixtral weight model.layers.{layer}.{name}")
+    return out
+
+
 def _permute_for(name: str, args: ModelArgs):
     if name.endswith("attention.wq.weight"):
         return args.n_heads
@@ -62,6 +109,9 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             continue
         base, adapter = split_adapter(name)
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", base)
+        if m and adapter is None and (m.group(2) in _EXPERT_MAP or m.group(2) == _ROUTER[0]):
+            out.update(_moe_to_hf(m.group(1), m.group(2), t))
+            continue
         if not m or m.group(2) not in _LAYER_MAP:
             raise KeyError(f"no HuggingFace name for parameter {name!r}")
         hf = f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
@@ -76,11 +126,15 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     top = {v: k for k, v in _TOP_MAP.items()}
     layer = {v: k for k, v in _LAYER_MAP.items()}
     out = {}
+    moe: dict[str, dict[str, torch.Tensor]] = {}  # gathered per layer, then stacked over experts
     for name, t in hf_state_dict.items():
         if name in top:
             out[top[name]] = t
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m and m.group(2).startswith(("block_sparse_moe.", "mlp.gate.", "mlp.experts.")):
+            moe.setdefault(m.group(1), {})[m.group(2)] = t
+            continue
         if not m or m.group(2) not in layer:
             if name.endswith("rotary_emb.inv_freq"):  # a buffer some old exports carry
                 continue
@@ -88,17 +142,26 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         ours = f"layers.{m.group(1)}.{layer[m.group(2)]}"
         heads = _permute_for(ours, args)
         out[ours] = _half_to_interleaved(t, heads) if heads else t
+    out.update(_moe_from_hf(moe, args))
     return out
 
 
 def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None = None,
-              dtype: str = "float32") -> dict[str, Any]:
-    """The `config.json` with which `LlamaForCausalLM` computes what our model computes."""
+              dtype: str = "float32", router_aux_loss_coef: float = 0.0) -> dict[str, Any]:
+    """The `config.json` with which `LlamaForCausalLM`, or with experts `MixtralForCausalLM`, computes
+    what our model computes (`router_aux_loss_coef`: Mixtral's, for training on in transformers)."""
+    moe = args.num_experts > 0
+    if moe and args.moe_every != 1:
+        # Qwen2-MoE and Qwen3-MoE interleave dense and MoE blocks (decoder_sparse_step), but with
+        # q/k/v biases and a shared expert, or q/k norms: neither computes this model.
+        raise ValueError(f"no transformers architecture has experts in one block of every "
+                         f"{args.moe_every} (moe_every={args.moe_every}): export to HuggingFace needs "
+                         f"moe_every = 1, experts in every block (Mixtral)")
     cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
         "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
+        "intermediate_size": args.expert_hidden_dim if moe else args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.kv_heads,
@@ -108,11 +171,22 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
         "rope_theta": args.rope_theta,
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
     }
+    if moe:
+        # transformers' Mixtral is dropless: a model trained with a capacity factor computes there
+        # what ours computes when no token is dropped.
+        cfg.update({
+            "sliding_window": None,  # Mixtral's attention is full (Mistral 7B's had a window)
+            "tie_word_embeddings": False,
+            "num_local_experts": args.num_experts,
+            "num_experts_per_tok": args.top_k,
+            "router_aux_loss_coef": router_aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        })
+    else:
+        cfg.update({"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
+    cfg["torch_dtype"] = dtype
     if args.rope_scaling is not None:
         s = args.rope_scaling
         cfg["rope_scaling"] = {

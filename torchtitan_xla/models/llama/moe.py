@@ -1,0 +1,179 @@
+"""Mixture of experts in place of a block's SwiGLU (Mixtral; GShard's dispatch): plain PyTorch, no
+parallelism code.
+
+A router picks each token's top-k experts; the token's output is the sum of those experts' SwiGLU
+outputs weighted by their router probabilities, renormalised over the k (Mixtral's routing, as
+transformers' MixtralSparseMoeBlock computes it).
+
+The tokens reach their experts by GShard's dense dispatch rather than by gathering: each sequence
+is a group, every expert has C slots per group, and one-hot dispatch / combine tensors
+[batch, seq, expert, slot] move tokens into the slots and the experts' outputs back by einsum.
+Shapes are static and nothing waits on the host, so the layer traces into one XLA graph. For
+expert parallelism the stacked expert weights [expert, ...] are sharded on dim 0 and the
+expert-side tensors [expert, batch, slot, dim] annotated at `expert_inputs` / `expert_outputs`
+(identity modules, hooked from outside): resharding them between batch and expert is what the SPMD
+partitioner does by all-to-all. With capacity_factor 0, C is the sequence length: no expert can
+receive more than every token of a sequence, so nothing is dropped and the result is exactly the
+gathered computation. With c > 0, C = ceil(c * k * seq / E) and the choices past an expert's C are
+dropped (their share of the output is zero; the block's residual carries the token on).
+
+Parameters (under the block's `feed_forward`): `router.weight` [E, dim], `w1` and `w3`
+[E, hidden, dim], `w2` [E, dim, hidden] (expert e computes w2[e] silu(w1[e] x) * w3[e] x, as the
+dense FeedForward's w1/w3/w2).
+
+Router losses reach the gradient without a second return path through the model: the trainer sets
+`aux_loss_weight` and `z_loss_weight` (already divided by its number of microbatches), and the
+forward output carries `aux_loss_weight * aux + z_loss_weight * z` into backward (AddAuxLossGrad).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16 -> f32; f32 and f64 unchanged)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class AddAuxLossGrad(torch.autograd.Function):
+    """Returns `out` unchanged; in backward, gives `loss` a gradient of 1 besides passing `out`'s
+    gradient through (Megatron's MoEAuxLossAutoScaler). So `loss` (already weighted) is minimised
+    with the model's loss without being added to it: the model's output and its return values stay
+    as they are, and activation checkpointing, which recomputes the forward, rebuilds it."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad_out, torch.ones_like(loss)
+
+
+def dispatch_and_combine(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                         capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GShard's dispatch of each sequence's choices into the experts' slots.
+
+    experts, weights: [batch, seq, k] each token's chosen experts (distinct) and their weights.
+    Returns dispatch [batch, seq, expert, slot] (1 where a token occupies a slot) and combine (the
+    same, holding the choice's weight), in the weights' dtype, and kept [batch, seq, k] (False for a
+    choice past its expert's capacity).
+
+    Slots are given in priority order: every token's first choice before any second choice, and
+    within a rank in sequence order (GShard), so under capacity a token loses its lower choices first.
+    """
+    b, s, k = experts.shape
+    chosen = experts[..., None] == torch.arange(num_experts, device=experts.device)  # [b, s, k, E]
+    # Each choice's slot = how many choices before it (in priority order) went to its expert.
+    by_rank = chosen.transpose(1, 2).reshape(b, k * s, num_experts).to(torch.int32)
+    slot = ((torch.cumsum(by_rank, dim=1, dtype=torch.int32) - 1) * by_rank).sum(-1)
+    slot = slot.view(b, k, s).transpose(1, 2)  # [b, s, k]
+    # A comparison, not F.one_hot: a slot past the capacity matches no column (the choice is
+    # dropped) without a data-dependent check.
+    in_slot = slot[..., None] == torch.arange(capacity, device=slot.device)  # [b, s, k, C]
+    # A token's k experts are distinct, so each (expert, slot) entry sums at most one term: exact.
+    in_slot = in_slot.to(weights.dtype)
+    dispatch = torch.einsum("bske,bskc->bsec", chosen.to(weights.dtype), in_slot)
+    combine = torch.einsum("bske,bskc->bsec", chosen * weights[..., None], in_slot)
+    return dispatch, combine, slot < capacity
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts over tokens [batch, seq, dim]; see the module docstring.
+
+    After each forward, `router_stats` holds that forward's float32 [aux, z, dropped_fraction]
+    and `expert_load` float32 [2, E]: each expert's fraction of the tokens choosing it (summing to
+    top_k over the experts) and its mean router probability (both detached, for logging)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
+                 capacity_factor: float = 0.0):
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        # Stacked, [expert, out, in] as each expert's nn.Linear weight: one annotation on dim 0
+        # shards the experts.
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # Identities around the expert computation: where expert parallelism annotates the
+        # expert-side tensors [E, batch, C, dim] (forward hooks, from outside, as `attention.sdpa`
+        # is swapped), e.g. first by batch, then by expert, which the partitioner does by all-to-all.
+        self.expert_inputs, self.expert_outputs = nn.Identity(), nn.Identity()
+        # Set by the trainer; plain floats, so a weight of 0 leaves the loss out of the graph.
+        self.aux_loss_weight = 0.0
+        self.z_loss_weight = 0.0
+        self.router_stats: torch.Tensor | None = None
+        self.expert_load: torch.Tensor | None = None
+
+    def capacity(self, seqlen: int) -> int:
+        """Slots per expert for a sequence of `seqlen` tokens. More than seqlen is never needed."""
+        if self.capacity_factor == 0:
+            return seqlen
+        return min(seqlen, math.ceil(self.capacity_factor * self.top_k * seqlen / self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)  # [b, s, E]
+        # Softmax at least in float32 (Mixtral's router), top-k, renormalised over the k.
+        probs = _upcast(logits).softmax(-1)
+        top_p, experts = probs.topk(self.top_k, dim=-1)
+        weights = top_p / top_p.sum(-1, keepdim=True)
+        dispatch, combine, kept = dispatch_and_combine(experts, weights, self.num_experts,
+                                                       self.capacity(x.shape[1]))
+
+        # Batch and expert stay separate dimensions throughout, so that batch and experts can be
+        # sharded on different mesh axes.
+        xe = self.expert_inputs(torch.einsum("bsec,bsd->ebcd", dispatch.type_as(x), x))
+        h = F.silu(torch.einsum("ebcd,ehd->ebch", xe, self.w1)) * torch.einsum("ebcd,ehd->ebch", xe, self.w3)
+        ye = self.expert_outputs(torch.einsum("ebch,edh->ebcd", h, self.w2))
+        out = torch.einsum("bsec,ebcd->bsd", combine.type_as(ye), ye)
+
+        # Load balancing (Switch / Mixtral, as transformers' load_balancing_loss_func for one
+        # layer): E * sum_e (fraction of tokens choosing e among their top-k) * (mean probability
+        # of e). The fractions count choices before capacity drops, and carry no gradient.
+        fraction = (experts[..., None] == torch.arange(self.num_experts, device=x.device)).sum(-2)
+        fraction = fraction.to(probs.dtype).mean((0, 1))
+        mean_prob = probs.mean((0, 1))
+        aux = self.num_experts * (fraction * mean_prob).sum()
+        # Router z-loss (ST-MoE): keeps the logits small, where the softmax is well conditioned.
+        z = torch.logsumexp(_upcast(logits), dim=-1).pow(2).mean()
+        dropped = 1 - kept.to(probs.dtype).mean()
+        self.router_stats = torch.stack([aux, z, dropped]).detach().float()
+        self.expert_load = torch.stack([fraction, mean_prob]).detach().float()
+
+        if self.aux_loss_weight or self.z_loss_weight:
+            out = AddAuxLossGrad.apply(out, self.aux_loss_weight * aux + self.z_loss_weight * z)
+        return out
+
+    def init_weights(self, init_std: float) -> None:
+        # As the dense FeedForward (and torchtitan's MoE): w1 at 0.02, the rest at the block's std.
+        nn.init.trunc_normal_(self.router.weight, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+def set_router_loss_weights(model: nn.Module, aux_loss_weight: float, z_loss_weight: float,
+                            microbatches: int = 1) -> list[MoE]:
+    """Give every MoE block of `model` its share of the router losses' weights, so that the
+    gradient is that of weight * (the losses' mean over the blocks and the microbatches), as the
+    language-model loss is a mean over microbatches. Returns the MoE blocks in model order ([] for
+    a dense model), whose `router_stats` the training step reads after each forward."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in blocks:
+        m.aux_loss_weight = aux_loss_weight / (len(blocks) * microbatches)
+        m.z_loss_weight = z_loss_weight / (len(blocks) * microbatches)
+    return blocks
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Expert weights a token does not run through (it uses top_k of num_experts experts): MFU
+    counts active parameters only (metrics.num_flops_per_token)."""
+    return sum((m.w1.numel() + m.w2.numel() + m.w3.numel()) * (m.num_experts - m.top_k) // m.num_experts
+               for m in model.modules() if isinstance(m, MoE))
