@@ -124,7 +124,9 @@ def chat_runs(straight, tmp_path_factory):
              "--validation.enable", "--validation.freq", "10", "--validation.steps", "-1"]
     runs = {
         "sft": tiny_args(out / "sft", *learn, "--optimizer.lr", "1e-3"),
-        "lora": tiny_args(out / "lora", *learn, "--optimizer.lr", "1e-2", "--lora.rank", "8"),
+        # The chunked loss with the output layer frozen (no weight gradient is built).
+        "lora": tiny_args(out / "lora", *learn, "--optimizer.lr", "1e-2", "--lora.rank", "8",
+                          "--loss.chunk_size", "256"),
         "accumulate_4x2": tiny_args(out / "acc", *CHAT, *_from_hf(straight), "--training.steps", "1",
                                     "--training.local_batch_size", "2", "--training.global_batch_size", "8"),
     }

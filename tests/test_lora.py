@@ -124,7 +124,9 @@ def lora_runs(straight, tmp_path_factory):
     runs = {}
     # The same global batch of 8 sequences: 2 microbatches of 4 on one device, 4 ranks x 2.
     for mesh, devices, extra in (
-            ("1 device", 1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]),
+            # With full activation checkpointing (torch_xla's reentrant checkpoint) on one device.
+            ("1 device", 1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
+                             "--activation_checkpoint.mode", "full"]),
             ("fsdp4 x tp2", 8, ["--training.local_batch_size", "2",
                                 "--parallelism.tensor_parallel_degree", "2"])):
         folder = tmp_path_factory.mktemp(mesh.replace(" ", ""))
@@ -203,6 +205,20 @@ def test_bad_lora_settings_are_one_line_before_anything_runs(flags, message, tmp
     with pytest.raises(ConfigError) as e:
         parse_args(tiny_args(tmp_path, "--lora.rank", "4", *flags))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_a_lora_checkpoint_as_initial_weights_is_one_line(lora_runs, tmp_path):
+    """Its adapters would be dropped silently: the run stops before training, exit 2."""
+    from helpers import run_train
+
+    folder, _ = lora_runs["1 device"]
+    r = run_train(tiny_args(tmp_path, "--checkpoint.initial_load_path", str(folder / "checkpoint" / "step-5"),
+                            "--lora.rank", "4"), env=None)
+    assert r.returncode == 2 and r.losses == {}
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: [checkpoint] initial_load_path: {folder / 'checkpoint' / 'step-5'} holds LoRA adapters; "
+        f"start from its merged weights instead (scripts/convert_to_hf.py, then initial_load_in_hf = true), "
+        f"or resume it as a checkpoint")
 
 
 def test_the_plan_counts_gradients_and_optimizer_state_for_the_adapters_only():

@@ -87,6 +87,9 @@ def test_capacity_mode_logs_its_drops_and_still_learns(tmp_path):
                                                   "float8 is not supported with mixture-of-experts"),
     ([*MIXTRAL, "--compile.scan_layers"], "command line: --compile.scan_layers = true: scan is not "
                                           "supported with mixture-of-experts"),
+    ([*MIXTRAL, "--moe.top_k", "1"], "command line: --moe.top_k = 1: Mixtral's router renormalises"),
+    ([*MIXTRAL, "--lora.rank", "8"], "command line: --lora.rank = 8: LoRA adapters for "
+                                     "mixture-of-experts models (mixtral debugmodel) are not supported yet"),
     (["--moe.num_experts", "4", "--moe.moe_every", "2", "--checkpoint.last_save_in_hf"],
      "command line: --checkpoint.last_save_in_hf = true: a model with MoE in one block of every 2"),
 ])
@@ -94,3 +97,4 @@ def test_bad_moe_settings_are_one_line_before_anything_is_built(flags, message, 
     with pytest.raises(ConfigError) as e:
         parse_args(tiny_args(tmp_path, *flags))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+

@@ -16,7 +16,8 @@ from torchtitan_xla.plan.calibrate import audit_point, grid_point, measure
 
 RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256",
            "llama3_70b": "v6e-256", "llama3_405b": "v5p-1024", "llama3_8b_sft": "v6e-64",
-           "llama3_8b_lora": "v6e-8", "debug_sft": "v6e-8", "debug_lora": "v6e-8"}
+           "llama3_8b_lora": "v6e-8", "debug_sft": "v6e-8", "debug_lora": "v6e-8",
+           "mixtral_8x7b": "v5p-256"}
 
 
 def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chunk):

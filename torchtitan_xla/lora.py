@@ -65,6 +65,10 @@ def apply_lora(model: nn.Module, cfg: LoRA) -> None:
                 and name.rpartition(".")[2] in cfg.target_modules:
             LoRALinear.wrap(module, cfg.rank, cfg.alpha, cfg.dropout)
             wrapped += 1
+    # With the embedding frozen, no block input would require grad, and a reentrant activation
+    # checkpoint (torch_xla's) gives a block output without gradient: the first block's input must
+    # ask for one (peft's enable_input_require_grads).
+    model.tok_embeddings.register_forward_hook(lambda m, args, out: out.requires_grad_())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(f"LoRA: rank {cfg.rank}, alpha {cfg.alpha:g} on {wrapped} layers "

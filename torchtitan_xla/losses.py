@@ -92,6 +92,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)
         vocab = weight.shape[0]
 
+        need_w = ctx.needs_input_grad[1]  # not for a frozen output layer (LoRA)
+
         def step(carry, xs):
             w, grad_w = carry
             h_c, y, g, lse_c = (t.flatten(0, 1) for t in xs)  # [ranks x chunk, ...]
@@ -101,13 +103,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             is_label = torch.arange(vocab, device=x.device).unsqueeze(1) == y  # fused, never stored
             dx = torch.exp(x - lse_c) * (1 + 2 * z * lse_c) - eps / vocab - (1 - eps) * is_label.to(acc)
             dx = (dx * (g * (y != IGNORE_INDEX))).to(dtype)
-            grad_w = grad_w + (dx @ h_c).to(acc)
+            if need_w:
+                grad_w = grad_w + (dx @ h_c).to(acc)
             return (w, grad_w), ((dx.T @ w).to(h.dtype).view(xs[0].shape),)
 
-        init = (weight.to(dtype), torch.zeros(weight.shape, dtype=acc, device=weight.device))
+        grad_w = torch.zeros(weight.shape if need_w else (), dtype=acc, device=weight.device)
+        init = (weight.to(dtype), grad_w)
         xs = (*(_chunks(t, ctx.chunk) for t in (h, labels, grad)), lse)  # lse is kept chunked
         (_, grad_w), (grad_h,) = kernels.scan(step, init, xs)
-        return _unchunk(grad_h), grad_w.to(weight.dtype), None, None, None, None, None
+        return _unchunk(grad_h), grad_w.to(weight.dtype) if need_w else None, None, None, None, None, None
 
 
 def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, *,

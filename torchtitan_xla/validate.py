@@ -106,7 +106,11 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
 
     @torch.no_grad()
     def eval_step(inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor) -> torch.Tensor:
-        losses = loss_fn(model, inputs, labels, *packing).float()
+        model.eval()  # no dropout (LoRA's) in the traced graph
+        try:
+            losses = loss_fn(model, inputs, labels, *packing).float()
+        finally:
+            model.train()
         counted = (labels != IGNORE_INDEX).sum()
         return torch.stack([losses.sum(), counted.to(losses.dtype)])
 

@@ -343,6 +343,10 @@ class CheckpointManager:
         if self.cfg.initial_load_in_hf:
             load_hf_into_model(self.model, self.model_args, path, mesh)
         else:
+            if commit.read_lora_settings(path) is not None:
+                raise ConfigError(f"[checkpoint] initial_load_path: {path} holds LoRA adapters; start "
+                                  f"from its merged weights instead (scripts/convert_to_hf.py, then "
+                                  f"initial_load_in_hf = true), or resume it as a checkpoint")
             runtime.materialise()  # as in _load: a device error is not a damaged checkpoint
             try:
                 commit.verify(path)

@@ -345,6 +345,10 @@ def _validate_moe(cfg: JobConfig, sources: _Sources) -> None:
                               f"a mixtral flavor")
         return
     experts, top_k = m.num_experts or args.num_experts, m.top_k or args.top_k
+    if top_k == 1:
+        raise ConfigError(f"{sources.describe('moe', 'top_k')} = 1: Mixtral's router renormalises "
+                          f"the top_k probabilities, so one expert gets weight 1 and the router no "
+                          f"gradient from the loss; use top_k >= 2")
     if top_k > experts:
         key = "top_k" if m.top_k else "num_experts"
         raise ConfigError(f"{sources.describe('moe', key)} = {getattr(m, key)}: top_k ({top_k}) cannot "
@@ -354,6 +358,9 @@ def _validate_moe(cfg: JobConfig, sources: _Sources) -> None:
         raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a model with "
                           f"MoE in one block of every {every} (GLaM-style) has no HuggingFace architecture "
                           f"to export to; keep the DCP checkpoints instead")
+    if cfg.lora.rank:
+        raise ConfigError(f"{sources.describe('lora', 'rank')} = {cfg.lora.rank}: LoRA adapters for "
+                          f"mixture-of-experts models ({model}) are not supported yet")
     if cfg.float8.enable_float8_linear:
         raise ConfigError(f"{sources.describe('float8', 'enable_float8_linear')} = true: float8 is "
                           f"not supported with mixture-of-experts models ({model}) yet")

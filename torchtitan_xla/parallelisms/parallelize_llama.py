@@ -147,6 +147,11 @@ def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
 def _checkpoint_block(block: nn.Module) -> None:
     """Full recompute: keep only the block's input, recompute its forward in the backward pass."""
     original = block.forward  # a bound method: torch_xla's checkpoint also fences its weights
+    if any(not p.requires_grad for p in block.parameters()):
+        # Frozen weights (LoRA's base) are not fenced: the fence writes them, and a replayed step
+        # would then have to donate and rebind weights it never changes (it failed to replay).
+        # The block's input is still fenced, which keeps the recomputation apart.
+        original = functools.partial(original)
     block.forward = lambda *args: kernels.checkpoint(original, *args)
 
 

@@ -40,6 +40,9 @@ def report(plan, cfg) -> str:
            + (" (tight: within the memory model's 10%)" if plan.tight else "")
            if plan.fits else f"does not fit by {(m.total - plan.hbm) / GiB:.2f} GiB"),
     ]
+    if cfg.model.name == "mixtral" or cfg.moe.num_experts:
+        lines.append("  (mixture of experts: the activations are modelled as dense blocks; the dispatch "
+                     "tensors, batch x seq x experts x capacity, are not counted: docs/moe.md)")
     if not plan.fits:
         lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
                      "loss chunks, smaller batch, more FSDP, a slice twice the size)")

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torchtitan_xla.logging import logger
@@ -31,7 +32,8 @@ class PallasAttention(nn.Module):
         from torchtitan_xla.runtime import kernels
 
         kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
-        return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=document_ids)
+        segments = None if document_ids is None else document_ids.to(torch.int32)
+        return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=segments)
 
 
 def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:
