@@ -46,6 +46,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.models import get_model_args, get_model_class, moe_overrides
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
     from torchtitan_xla.models.llama.moe import inactive_expert_params, set_router_loss_weights
+    from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
     from torchtitan_xla.optimizer import (
         build_lr_scheduler,
         build_optimizer,
@@ -123,6 +124,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         model_args, model.num_params(exclude_embedding=True) - inactive_expert_params(model),
         training.seq_len, frozen=frozen_matmul_params(model))
     apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
+    apply_grouped_mm(model, job_config.moe.grouped_mm, mesh, device_type)
 
     # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
     # sync below, so the shardings given by parallelize apply to the init computation itself.

@@ -1,5 +1,6 @@
 """Mixture of experts against dense on this machine: the debug MoE (mixtral debugmodel: 4 blocks, 8
-experts of SwiGLU hidden 384, top-2, 8 kv heads), dropless and with capacity 1.25, against the dense
+experts of SwiGLU hidden 384, top-2, 8 kv heads), dropless, with capacity 1.25 and with sorted
+experts (grouped_mm, its CPU reference), against the dense
 debug model cut to the same 4 blocks and 8 kv heads (SwiGLU hidden 768 = 2 x 384: the same active
 FLOPs per token).
 
@@ -25,6 +26,7 @@ VARIANTS = {
     "dense (llama3 debugmodel, 4 blocks)": ["--model.name", "llama3"],
     "MoE dropless (mixtral debugmodel)": ["--model.name", "mixtral"],
     "MoE capacity 1.25": ["--model.name", "mixtral", "--moe.capacity_factor", "1.25"],
+    "MoE grouped_mm (CPU reference)": ["--model.name", "mixtral", "--moe.grouped_mm"],
 }
 
 _WORKER = """

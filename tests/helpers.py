@@ -130,6 +130,7 @@ def train_losses(args: list[str], *, devices: int = 1, model_overrides: dict | N
 
 _MULTI_DRIVER = """
 import json, sys
+from pathlib import Path
 sys.path.insert(0, {repo!r})
 import torch, torch_xla
 import torch_xla.distributed.spmd as xs
@@ -165,6 +166,8 @@ def expected(shape, partition_spec):
 
 results = {{}}
 model_overrides = json.loads(sys.argv[2])
+dump = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+dumped = set()
 for name, args in json.loads(sys.argv[1]).items():
     before = compile_stats()[0]
     history = train.main(parse_args(args), model_overrides=model_overrides)
@@ -182,19 +185,29 @@ for name, args in json.loads(sys.argv[1]).items():
                          validation={{s.step: s.validation_loss for s in history
                                      if s.validation_loss is not None}},
                          compiles=compiles, params=params)
+    if dump:
+        modules = set(map(str, dump.glob("*after_optimizations.txt"))) - dumped
+        dumped |= modules
+        results[name]["hlo"] = sorted(modules)
 print("RESULTS " + json.dumps(results))
 """
 
 
 def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dict | None = None,
-               timeout: int = 900) -> dict:
+               timeout: int = 900, xla_dump: Path | None = None) -> dict:
     """Several train.main runs in one fresh process with `devices` devices (saves start-up time).
     For each: logged losses, compiles during the run, and for every parameter its partition spec,
     the sharding XLA reports for it and for its optimizer state of its shape (exp_avg, ...), and
-    the sharding a fresh tensor with that partition spec gets."""
+    the sharding a fresh tensor with that partition spec gets. With `xla_dump`, XLA dumps every
+    compiled module there and each run lists its optimized HLO files ("hlo")."""
+    env = None
+    if xla_dump:
+        from torchtitan_xla.runtime.compiled import dump_flags
+
+        env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(xla_dump)}".strip()}
     p = subprocess.run([sys.executable, "-c", _MULTI_DRIVER.format(repo=str(REPO)), json.dumps(runs),
-                        json.dumps(model_overrides or {})],
-                       capture_output=True, text=True, env=_env(devices, None), timeout=timeout)
+                        json.dumps(model_overrides or {}), *([str(xla_dump)] if xla_dump else [])],
+                       capture_output=True, text=True, env=_env(devices, env), timeout=timeout)
     if p.returncode != 0:
         raise AssertionError(f"training failed ({p.returncode}):\n{p.stderr[-4000:]}")
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS "))

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama.model import FeedForward, Transformer
-from torchtitan_xla.models.llama.moe import MoE, dispatch_and_combine, set_router_loss_weights
+from torchtitan_xla.models.llama.moe import (
+    MoE,
+    dispatch_and_combine,
+    grouped_mm_reference,
+    set_router_loss_weights,
+    sorted_experts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -238,6 +244,33 @@ def test_dropless_equals_the_per_token_loop(top_k):
     big = _moe(top_k, capacity_factor=4 / top_k)
     with torch.no_grad():
         assert big.capacity(10) == 10 and torch.equal(big(x), got)
+
+
+def test_grouped_mm_reference_is_megablox_gmm():
+    """Rows in consecutive groups (an empty one included), each times its expert's matrix."""
+    g = torch.Generator().manual_seed(0)
+    lhs, rhs = torch.randn(9, 5, generator=g, dtype=torch.float64), torch.randn(4, 5, 3, generator=g, dtype=torch.float64)
+    sizes = torch.tensor([2, 0, 4, 3], dtype=torch.int32)
+    expected = torch.cat([lhs[0:2] @ rhs[0], lhs[2:6] @ rhs[2], lhs[6:9] @ rhs[3]])
+    torch.testing.assert_close(grouped_mm_reference(lhs, rhs, sizes), expected, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_sorted_experts_equal_dispatch_forward_and_backward(top_k):
+    """[moe] grouped_mm's path (tokens sorted by expert, grouped matmuls) against GShard's dropless
+    dispatch in float64: the output, and the gradients of the input, the router and every expert."""
+    x = torch.randn(3, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    results = []
+    for grouped in (False, True):
+        moe = _moe(top_k)
+        moe.routed_experts = sorted_experts if grouped else None
+        xi = x.clone().requires_grad_()
+        out = moe(xi)
+        out.pow(2).sum().backward()
+        results.append([out, xi.grad, moe.router.weight.grad, moe.w1.grad, moe.w2.grad, moe.w3.grad])
+        assert moe.router_stats[2] == 0  # nothing dropped either way
+    for dispatched, grouped in zip(*results):
+        torch.testing.assert_close(grouped, dispatched, rtol=0, atol=1e-12)
 
 
 def _two_groups(b: int = 1) -> tuple[MoE, torch.Tensor]:

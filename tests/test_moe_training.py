@@ -2,6 +2,9 @@
 (dropless), the experts carry the sharding asked for, resume is bit-exact, capacity mode drops
 tokens and still learns, and bad MoE settings are one line before anything is built."""
 
+import re
+from pathlib import Path
+
 import pytest
 from helpers import tiny_args, train_many, train_run
 
@@ -11,43 +14,122 @@ TWO_BLOCKS = {"n_layers": 2}
 MIXTRAL = ["--model.name", "mixtral"]
 # Only the order of floating-point reductions differs between meshes (tests/test_parallelisms.py).
 MESH_RTOL = 2e-6
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe1")
-    return train_many({"dropless": tiny_args(out, *MIXTRAL, "--training.local_batch_size", "8")},
-                      devices=1, model_overrides=TWO_BLOCKS)
+    runs = {"dropless": [], "grouped_mm": ["--moe.grouped_mm"],
+            "grouped_mm_bf16": ["--moe.grouped_mm", *BF16]}
+    return train_many({k: tiny_args(out, *MIXTRAL, "--training.local_batch_size", "8", *v)
+                       for k, v in runs.items()}, devices=1, model_overrides=TWO_BLOCKS)
+
+
+# Each mesh on 8 devices with the global batch of 8 sequences: local batch x data-parallel ranks
+# (dp_replicate x fsdp x ep).
+MESHES = {
+    "fsdp4_tp2": ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"],
+    "ep4_fsdp2": ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "4"],
+    "ep2_fsdp2_tp2": ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
+                      "--parallelism.tensor_parallel_degree", "2"],
+    "ep8": ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "8"],
+    # Sorted experts and grouped matmuls, each device on its own sequences (runtime.per_shard).
+    "fsdp8_grouped_mm": ["--training.local_batch_size", "1", "--moe.grouped_mm"],
+    "fsdp8_grouped_mm_bf16": ["--training.local_batch_size", "1", "--moe.grouped_mm", *BF16],
+}
 
 
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe8")
-    runs = {"fsdp8": ["--training.local_batch_size", "1"],
-            "fsdp4_tp2": ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]}
-    return train_many({k: tiny_args(out, *MIXTRAL, *v) for k, v in runs.items()}, devices=8,
-                      model_overrides=TWO_BLOCKS)
+    return train_many({k: tiny_args(out, *MIXTRAL, *v) for k, v in MESHES.items()}, devices=8,
+                      model_overrides=TWO_BLOCKS, xla_dump=out / "xla")
 
 
-@pytest.mark.parametrize("mesh", ["fsdp8", "fsdp4_tp2"])
+def test_grouped_mm_region_recomputes_under_autocast(one_device, eight_devices):
+    """bfloat16: on a mesh each device's sorted experts run in a region whose backward recomputes
+    them; under the step's autocast, as the forward ran, that gives one device's losses (measured
+    within 2e-6; recomputed in float32 the gradients differ and step 2 is off by 1.5e-5)."""
+    reference = one_device["grouped_mm_bf16"]["losses"]
+    for step, loss in reference.items():
+        assert eight_devices["fsdp8_grouped_mm_bf16"]["losses"][step] == pytest.approx(loss, rel=6e-6), step
+
+
+@pytest.mark.parametrize("mesh", ["1_grouped_mm", *(m for m in MESHES if "bf16" not in m)])
 def test_moe_mesh_losses_equal_one_device(mesh, one_device, eight_devices):
+    """Every mesh, and sorted experts with grouped matmuls, give the 1-device dispatch's losses."""
     reference = one_device["dropless"]["losses"]
+    run = one_device["grouped_mm"] if mesh == "1_grouped_mm" else eight_devices[mesh]
     assert reference.keys() == {1, 2, 3, 4, 5}
     for step, loss in reference.items():
-        assert eight_devices[mesh]["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), (mesh, step)
+        assert run["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), (mesh, step)
+    assert run["compiles"] <= 2  # init and one step: nothing recompiles
 
 
-def test_experts_and_router_carry_the_requested_sharding(eight_devices):
-    """Stacked experts [E, hidden, dim] / [E, dim, hidden]: tensor parallelism on the hidden dim as
-    for the dense SwiGLU, FSDP on the largest dimension left; the router [E, dim] whole over tp."""
-    params = eight_devices["fsdp4_tp2"]["params"]
-    expected = {"w1": [None, "tp", "fsdp"], "w3": [None, "tp", "fsdp"], "w2": [None, "fsdp", "tp"],
-                "router.weight": [None, "fsdp"]}
+FSDP_EP = ["fsdp", "ep"]  # dense weights are sharded over fsdp x ep
+
+
+@pytest.mark.parametrize("mesh, expected", [
+    # Stacked experts [E, hidden, dim] / [E, dim, hidden]: TP on the hidden dim as for the dense
+    # SwiGLU, FSDP on the largest dimension left; the router [E, dim] whole over tp.
+    ("fsdp4_tp2", {"w1": [None, "tp", "fsdp"], "w3": [None, "tp", "fsdp"], "w2": [None, "fsdp", "tp"],
+                   "router.weight": [None, "fsdp"]}),
+    # EP: the expert dim over ep; FSDP over fsdp alone for experts, over fsdp x ep for the rest.
+    ("ep4_fsdp2", {"w1": ["ep", "fsdp", None], "w3": ["ep", "fsdp", None], "w2": ["ep", None, "fsdp"],
+                   "router.weight": [None, FSDP_EP]}),
+    ("ep2_fsdp2_tp2", {"w1": ["ep", "tp", "fsdp"], "w3": ["ep", "tp", "fsdp"],
+                       "w2": ["ep", "fsdp", "tp"], "router.weight": [None, FSDP_EP]}),
+    ("ep8", {"w1": ["ep", None, None], "w3": ["ep", None, None], "w2": ["ep", None, None],
+             "router.weight": [None, FSDP_EP]}),
+])
+def test_experts_and_router_carry_the_requested_sharding(mesh, expected, eight_devices):
+    """Each parameter's partition spec, and XLA's own sharding of it and of its Adam state equal to
+    a fresh tensor's with that spec."""
+    params = eight_devices[mesh]["params"]
     for block in (0, 1):
         for name, spec in expected.items():
             p = params[f"layers.{block}.feed_forward.{name}"]
             assert p["partition_spec"] == spec, (block, name)
             assert p["actual"] == p["expected"] == p["exp_avg"], (block, name, p)
+    if "ep" in mesh:
+        assert params["layers.0.attention.wq.weight"]["partition_spec"][-1 if "tp" in mesh else 0] == FSDP_EP
+
+
+@pytest.mark.parametrize("mesh", ["ep4_fsdp2", "ep2_fsdp2_tp2", "ep8"])
+def test_tokens_reach_their_experts_by_all_to_all_and_experts_stay_split(mesh, eight_devices):
+    """The compiled step (its optimized HLO): the expert-side tensors cross the ep group by
+    all-to-all, bytes as the plan's theory says (4 per MoE block: to the experts and back, forward
+    and backward), and no expert weight is ever gathered with more than this device's experts."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+    from torchtitan_xla.plan import comms
+    from torchtitan_xla.plan.memory import build_meta_model
+    from torchtitan_xla.runtime.compiled import collective_ops
+
+    modules = [Path(f).read_text() for f in eight_devices[mesh]["hlo"]]
+    ops = collective_ops(max(modules, key=len))  # the training step's module
+    cfg = parse_args(tiny_args(Path("unused"), *MIXTRAL, *MESHES[mesh]))
+    dims = ParallelDims.from_config(cfg.parallelism, 8)
+    _, model = build_meta_model(cfg, **TWO_BLOCKS)
+    t = cfg.training
+    theory = comms.theory(model, dims, tokens=t.local_batch_size * t.seq_len, seq_len=t.seq_len,
+                          microbatches=1, policy="none")
+    # [local batch, experts, slots = seq (dropless), dim] float32 per device, to the experts and back.
+    moved = t.local_batch_size * 8 * t.seq_len * 256 * 4
+    moves = [group for kind, size, group, _ in ops if kind == "all-to-all" and size == moved]
+    assert moves == [dims.ep] * 8, moves  # 2 MoE blocks x (there and back) x (forward, backward)
+    # Every all-to-all of the step is in the theory (under TP also the embedding's), bytes exact.
+    assert comms.measured(ops)["all-to-all"] == pytest.approx(theory["all-to-all"], rel=1e-9)
+
+    def array_dims(shape):
+        return [sorted(map(int, d.split(","))) for d in re.findall(r"\[([0-9,]+)\]", shape)]
+
+    gathered = [d for kind, _, _, shape in ops if kind == "all-gather" for d in array_dims(shape)]
+    hidden = 384 // dims.tp  # the debug MoE: 8 experts, hidden 384, dim 256
+    assert sorted((8, hidden, 256)) not in gathered  # no expert weight whole on a device
+    if dims.dp_shard > 1:  # FSDP gathers this device's experts' shards
+        assert sorted((8 // dims.ep, hidden, 256)) in gathered
 
 
 def test_moe_resumes_bit_exactly(tmp_path):
@@ -78,6 +160,22 @@ def test_capacity_mode_logs_its_drops_and_still_learns(tmp_path):
     assert losses[200] < 0.8 * losses[1], losses
 
 
+def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
+    """Saved on ep=4 x fsdp=2 at step 3, resumed on ep=2 x fsdp=2 x tp=2: steps 4-6 give the
+    uninterrupted run's losses (DCP reshards the experts from 2 to 4 per device)."""
+    import shutil
+
+    common = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    straight, _ = train_run(tiny_args(tmp_path, *MIXTRAL, *common, *MESHES["ep4_fsdp2"]), devices=8,
+                            model_overrides=TWO_BLOCKS)
+    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
+    resumed, log = train_run(tiny_args(tmp_path, *MIXTRAL, *common, *MESHES["ep2_fsdp2_tp2"]), devices=8,
+                             model_overrides=TWO_BLOCKS)
+    assert "Resumed from" in log
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], rel=MESH_RTOL), step
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--moe.top_k", "2"], "command line: --moe.top_k = 2: the model llama3 debugmodel is dense (no "
                            "experts); set [moe] num_experts, or use a mixtral flavor"),
@@ -88,6 +186,15 @@ def test_capacity_mode_logs_its_drops_and_still_learns(tmp_path):
     ([*MIXTRAL, "--compile.scan_layers"], "command line: --compile.scan_layers = true: scan is not "
                                           "supported with mixture-of-experts"),
     ([*MIXTRAL, "--moe.top_k", "1"], "command line: --moe.top_k = 1: Mixtral's router renormalises"),
+    ([*MIXTRAL, "--parallelism.expert_parallel_degree", "3"],
+     "command line: --parallelism.expert_parallel_degree = 3 must divide num_experts (8) of mixtral debugmodel"),
+    (["--parallelism.expert_parallel_degree", "2"], "command line: --parallelism.expert_parallel_degree = 2: "
+                                                    "the model llama3 debugmodel is dense (no experts to split)"),
+    ([*MIXTRAL, "--moe.grouped_mm", "--moe.capacity_factor", "1.25"],
+     "command line: --moe.grouped_mm = true cannot be combined with [moe] capacity_factor = 1.25: "
+     "sorted experts are dropless"),
+    ([*MIXTRAL, "--moe.grouped_mm", "--parallelism.expert_parallel_degree", "2"],
+     "command line: --moe.grouped_mm = true cannot be combined with [parallelism] expert_parallel_degree = 2"),
     ([*MIXTRAL, "--lora.rank", "8"], "command line: --lora.rank = 8: LoRA adapters for "
                                      "mixture-of-experts models (mixtral debugmodel) are not supported yet"),
     (["--moe.num_experts", "4", "--moe.moe_every", "2", "--checkpoint.last_save_in_hf"],

@@ -207,9 +207,13 @@ def _dims(argv, devices):
 
 
 def test_degree_resolution():
-    assert _dims([], 8).mesh_shape == (1, 8, 1)
-    assert _dims([P + "tensor_parallel_degree", "2"], 8).mesh_shape == (1, 4, 2)
-    assert _dims([P + "data_parallel_replicate_degree", "2", P + "num_slices", "2"], 8).mesh_shape == (2, 4, 1)
+    # (dp_replicate, fsdp, ep, tp)
+    assert _dims([], 8).mesh_shape == (1, 8, 1, 1)
+    assert _dims([P + "tensor_parallel_degree", "2"], 8).mesh_shape == (1, 4, 1, 2)
+    assert _dims([P + "data_parallel_replicate_degree", "2", P + "num_slices", "2"], 8).mesh_shape == (2, 4, 1, 1)
+    moe = ["--model.name", "mixtral"]
+    ep = _dims([*moe, P + "expert_parallel_degree", "2", P + "tensor_parallel_degree", "2"], 8)
+    assert (ep.mesh_shape, ep.dp_degree, ep.shard_degree) == ((1, 2, 2, 2), 4, 4)
 
 
 BAD = [
@@ -217,6 +221,9 @@ BAD = [
      r"data_parallel_replicate_degree \(1\) x data_parallel_shard_degree \(3\) x tensor_parallel_degree \(1\) = 3, but there are 8 devices"),
     ([P + "tensor_parallel_degree", "3"], 8,
      r"data_parallel_replicate_degree \(1\) x tensor_parallel_degree \(3\) = 3 does not divide the 8 devices"),
+    (["--model.name", "mixtral", P + "expert_parallel_degree", "4", P + "data_parallel_shard_degree", "4"], 8,
+     r"data_parallel_replicate_degree \(1\) x data_parallel_shard_degree \(4\) x expert_parallel_degree \(4\) x "
+     r"tensor_parallel_degree \(1\) = 16, but there are 8 devices"),
     ([P + "num_slices", "2"], 8,
      r"data_parallel_replicate_degree \(1\) must be a multiple of num_slices \(2\)"),
 ]
@@ -287,8 +294,8 @@ def test_tpu_mesh_uses_hybrid_mesh(monkeypatch):
                         lambda: [{"slice_index": i // 4} for i in range(8)])
     dims = _dims([P + "data_parallel_replicate_degree", "2", P + "num_slices", "2"], 8)
     assert dims.build_mesh("TPU") == "mesh"
-    assert calls == dict(ici_mesh_shape=(1, 4, 1), dcn_mesh_shape=(2, 1, 1),
-                         axis_names=("dp_replicate", "fsdp", "tp"))
+    assert calls == dict(ici_mesh_shape=(1, 4, 1, 1), dcn_mesh_shape=(2, 1, 1, 1),
+                         axis_names=("dp_replicate", "fsdp", "ep", "tp"))
     with pytest.raises(ConfigError, match=r"num_slices is 1, but the TPU runtime sees 2 slice"):
         _dims([], 8).build_mesh("TPU")
 
@@ -309,7 +316,7 @@ def test_pallas_attention_swaps_modules_only_on_tpu():
     apply_attention_kernel(model, "flash", mesh="mesh", device_type="TPU")
     kernels = [b.attention.sdpa for b in model.layers.values()]
     assert all(isinstance(k, PallasAttention) and k.kind == "flash" for k in kernels)
-    assert kernels[0].spec == (("dp_replicate", "fsdp"), "tp", None, None)
+    assert kernels[0].spec == (("dp_replicate", "fsdp", "ep"), "tp", None, None)
 
 
 def test_scan_refuses_torchax_files_overwritten_by_torch_xla(monkeypatch):

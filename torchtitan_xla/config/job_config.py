@@ -155,6 +155,10 @@ class MoE:
         0.0, "0: dropless, every token reaches its top_k experts. c > 0: each expert takes at most "
         "c x top_k x seq_len / num_experts tokens of a sequence; the rest skip the block's "
         "feed-forward (the residual carries them) and the drop rate is logged.", ge=0)
+    grouped_mm: bool = opt(
+        False, "Run the experts on the routed tokens sorted by expert, as grouped matmuls (torch_xla's "
+        "Pallas megablox gmm on TPU, not verified there; a PyTorch reference elsewhere) instead of "
+        "GShard's dispatch into slots. Dropless only; not with expert or tensor parallelism yet.")
     aux_loss_weight: float = opt(
         0.01, "Weight of the load-balancing loss (Switch / Mixtral form), averaged over MoE blocks.", ge=0)
     z_loss_weight: float = opt(
@@ -215,6 +219,10 @@ class Parallelism:
         "-1: all devices not used by the other degrees.")
     tensor_parallel_degree: int = opt(
         1, "Tensor (Megatron) parallel degree, with sequence parallelism between blocks.", gt=0)
+    expert_parallel_degree: int = opt(
+        1, "Expert parallel degree (mixture-of-experts models): the experts are split over this "
+        "many devices, which are also data-parallel ranks (dense weights are sharded over "
+        "data_parallel_shard_degree x expert_parallel_degree). Must divide num_experts.", gt=0)
     num_slices: int = opt(
         1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
         "data_parallel_replicate_degree must be a multiple of it.", gt=0)

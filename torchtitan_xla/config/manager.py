@@ -337,14 +337,22 @@ def _validate_moe(cfg: JobConfig, sources: _Sources) -> None:
 
     m, model = cfg.moe, f"{cfg.model.name} {cfg.model.flavor}"
     args = get_model_args(cfg.model.name, cfg.model.flavor)
+    ep = cfg.parallelism.expert_parallel_degree
     if not (m.num_experts or args.num_experts):
-        given = [k for k in ("top_k", "moe_every", "capacity_factor") if getattr(m, k)]
+        given = [k for k in ("top_k", "moe_every", "capacity_factor", "grouped_mm") if getattr(m, k)]
         if given:
             raise ConfigError(f"{sources.describe('moe', given[0])} = {getattr(m, given[0])!r}: the "
                               f"model {model} is dense (no experts); set [moe] num_experts, or use "
                               f"a mixtral flavor")
+        if ep > 1:
+            raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep}: "
+                              f"the model {model} is dense (no experts to split); set [moe] "
+                              f"num_experts, or use a mixtral flavor")
         return
     experts, top_k = m.num_experts or args.num_experts, m.top_k or args.top_k
+    if experts % ep:
+        raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep} must "
+                          f"divide num_experts ({experts}) of {model}")
     if top_k == 1:
         raise ConfigError(f"{sources.describe('moe', 'top_k')} = 1: Mixtral's router renormalises "
                           f"the top_k probabilities, so one expert gets weight 1 and the router no "
@@ -358,6 +366,16 @@ def _validate_moe(cfg: JobConfig, sources: _Sources) -> None:
         raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a model with "
                           f"MoE in one block of every {every} (GLaM-style) has no HuggingFace architecture "
                           f"to export to; keep the DCP checkpoints instead")
+    if m.grouped_mm:
+        p = cfg.parallelism
+        clash = ([("moe", "capacity_factor", f"{m.capacity_factor:g}", "sorted experts are dropless")]
+                 if m.capacity_factor else []) + [
+            ("parallelism", k, str(getattr(p, k)), "not supported with it yet")
+            for k in ("expert_parallel_degree", "tensor_parallel_degree") if getattr(p, k) > 1]
+        if clash:
+            section, key, value, why = clash[0]
+            raise ConfigError(f"{sources.describe('moe', 'grouped_mm')} = true cannot be combined with "
+                              f"[{section}] {key} = {value}: {why}")
     if cfg.lora.rank:
         raise ConfigError(f"{sources.describe('lora', 'rank')} = {cfg.lora.rank}: LoRA adapters for "
                           f"mixture-of-experts models ({model}) are not supported yet")

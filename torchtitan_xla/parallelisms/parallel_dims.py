@@ -2,8 +2,11 @@
 
 Mesh axes, outermost first: `dp_replicate` (HSDP replicas; in a multi-slice run the slices are the
 outer part of this axis, so only gradient all-reduces cross the slow DCN links), `fsdp` (parameters
-sharded), `tp` (tensor parallel, innermost so a TP group is made of neighbouring devices). Every axis
-always exists, with size 1 when unused, so a partition spec means the same thing on every mesh.
+sharded), `ep` (experts split; these devices are data-parallel ranks too, and dense parameters are
+sharded over fsdp and ep together, as torchtitan's EP borrows from its FSDP dimension), `tp` (tensor
+parallel, innermost so a TP group is made of neighbouring devices; `ep` next, so the all-to-alls
+stay among near devices). Every axis always exists, with size 1 when unused, so a partition spec
+means the same thing on every mesh.
 
 All checks run before anything is compiled and each fails with one line naming the keys involved.
 """
@@ -15,9 +18,11 @@ from dataclasses import dataclass
 from torchtitan_xla.config.job_config import Parallelism
 from torchtitan_xla.errors import ConfigError
 
-MESH_AXES = ("dp_replicate", "fsdp", "tp")
+MESH_AXES = ("dp_replicate", "fsdp", "ep", "tp")
 # The batch is split over every data-parallel axis.
-BATCH_AXES = ("dp_replicate", "fsdp")
+BATCH_AXES = ("dp_replicate", "fsdp", "ep")
+# Axes that shard a dense parameter (FSDP); an expert weight, already split over `ep`, uses `fsdp`.
+SHARD_AXES = ("fsdp", "ep")
 
 
 @dataclass(frozen=True)
@@ -26,42 +31,45 @@ class ParallelDims:
     dp_shard: int
     tp: int
     num_slices: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: Parallelism, num_devices: int) -> ParallelDims:
         """Resolve `data_parallel_shard_degree = -1` and check the degrees fill the devices."""
-        rep, shard, tp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
-                          cfg.tensor_parallel_degree)
+        rep, shard, tp, ep = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
+                              cfg.tensor_parallel_degree, cfg.expert_parallel_degree)
         if rep % cfg.num_slices:
             raise ConfigError(
                 f"[parallelism] data_parallel_replicate_degree ({rep}) must be a multiple of "
                 f"num_slices ({cfg.num_slices}): slices hold model replicas")
-        fixed = rep * tp
+        fixed = rep * ep * tp
         if shard == -1:
             if num_devices % fixed:
-                raise ConfigError(
-                    f"[parallelism] data_parallel_replicate_degree ({rep}) x tensor_parallel_degree "
-                    f"({tp}) = {fixed} does not divide the {num_devices} devices")
+                raise ConfigError(f"[parallelism] {_product(rep, None, ep, tp)} = {fixed} does not "
+                                  f"divide the {num_devices} devices")
             shard = num_devices // fixed
-        if rep * shard * tp != num_devices:
-            raise ConfigError(
-                f"[parallelism] data_parallel_replicate_degree ({rep}) x data_parallel_shard_degree "
-                f"({shard}) x tensor_parallel_degree ({tp}) = {rep * shard * tp}, but there are "
-                f"{num_devices} devices")
-        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, num_slices=cfg.num_slices)
+        if rep * shard * ep * tp != num_devices:
+            raise ConfigError(f"[parallelism] {_product(rep, shard, ep, tp)} = {rep * shard * ep * tp}, "
+                              f"but there are {num_devices} devices")
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, num_slices=cfg.num_slices, ep=ep)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.ep * self.tp
 
     @property
     def dp_degree(self) -> int:
         """Number of data-parallel ranks: each sees its own `local_batch_size` sequences."""
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.ep
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def shard_degree(self) -> int:
+        """Devices a dense parameter is sharded over (FSDP over `fsdp` x `ep`)."""
+        return self.dp_shard * self.ep
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.ep, self.tp)
 
     def check_model(self, n_heads: int, n_kv_heads: int, dim: int, ffn_hidden_dim: int) -> None:
         """Tensor parallelism splits heads and hidden sizes evenly over `tp` devices."""
@@ -100,3 +108,10 @@ class ParallelDims:
                               f"runtime sees {runtime.slice_count()} slice(s)")
         return runtime.build_mesh(self.mesh_shape, MESH_AXES, device_type=device_type,
                                   num_slices=self.num_slices)
+
+
+def _product(rep: int, shard: int | None, ep: int, tp: int) -> str:
+    """The degrees' product as the error messages name it (expert parallelism only when used)."""
+    terms = [("data_parallel_replicate_degree", rep), ("data_parallel_shard_degree", shard),
+             ("expert_parallel_degree", ep if ep > 1 else None), ("tensor_parallel_degree", tp)]
+    return " x ".join(f"{k} ({v})" for k, v in terms if v is not None)

@@ -1,7 +1,7 @@
 """Parallelism for the Llama model, applied from outside by module name as XLA SPMD shardings.
 
-Each `apply_*` does one thing to the same module; `parallelize_llama` calls them in order:
-tensor parallel -> activation checkpointing -> FSDP -> scan. (The attention kernel is chosen
+Each `apply_*` does one thing to the same module; `parallelize_llama` calls them in order: tensor
+parallel -> expert parallel -> activation checkpointing -> FSDP -> scan. (The attention kernel is chosen
 before, beside the model: models/llama/attention_kernels.py.) Shardings are annotations on the
 (still lazy) parameters and on activations at module boundaries; XLA partitions the whole step
 from them and inserts the collectives. Nothing here changes a parameter name.
@@ -20,7 +20,7 @@ from torchtitan_xla.config import JobConfig
 from torchtitan_xla.config.job_config import ActivationCheckpoint
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
-from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
+from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
 from torchtitan_xla.runtime import kernels
 from torchtitan_xla.runtime.sharding import Spec
 
@@ -45,6 +45,8 @@ TP_PLAN: dict[str, Spec] = {
     # Vocab-parallel logits: the loss is computed on vocab shards, never on full logits.
     "output.weight": ("tp", None),
 }
+# The stacked expert weights [expert, ...] that expert parallelism splits on their first dimension.
+EXPERT_WEIGHTS = ("layers.*.feed_forward.w1", "layers.*.feed_forward.w2", "layers.*.feed_forward.w3")
 
 
 def tp_spec(name: str, ndim: int) -> Spec:
@@ -62,25 +64,44 @@ def tp_spec(name: str, ndim: int) -> Spec:
     return (None,) * ndim  # norms: replicated over tp
 
 
-def fsdp_spec(shape: torch.Size, base: Spec, degree: int) -> Spec:
-    """Add the `fsdp` axis to `base` on the largest dimension that is not already sharded and
-    divides evenly by `degree` (the lowest such dimension on ties); unchanged if there is none."""
+def ep_spec(name: str, base: Spec) -> Spec:
+    """`base` with the expert dimension of a stacked expert weight on the `ep` axis."""
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in EXPERT_WEIGHTS):
+        return ("ep", *base[1:])
+    return base
+
+
+def fsdp_spec(shape: torch.Size, base: Spec, degree: int, axis: str | tuple = "fsdp") -> Spec:
+    """Add `axis` (of `degree` devices) to `base` on the largest dimension that is not already
+    sharded and divides evenly by `degree` (the lowest such dimension on ties); unchanged if there
+    is none."""
     if degree == 1:
         return base
     candidates = [d for d in range(len(shape)) if base[d] is None and shape[d] % degree == 0]
     if not candidates:
         return base
     dim = max(candidates, key=lambda d: (shape[d], -d))
-    return tuple("fsdp" if d == dim else a for d, a in enumerate(base))
+    return tuple(axis if d == dim else a for d, a in enumerate(base))
+
+
+def fsdp_axes(base: Spec, parallel_dims: ParallelDims) -> tuple[str | tuple, int]:
+    """(FSDP's axis, its size) for a parameter with spec `base`: `fsdp` x `ep` for dense weights,
+    `fsdp` alone for expert weights, which `ep` already splits."""
+    if parallel_dims.ep == 1 or "ep" in base:
+        return "fsdp", parallel_dims.dp_shard
+    return SHARD_AXES, parallel_dims.shard_degree
 
 
 def param_specs(model: nn.Module, parallel_dims: ParallelDims) -> dict[str, Spec]:
     """The spec of every parameter, computed from names and shapes only (works on meta tensors):
-    what apply_tp + apply_fsdp assign. Used by the memory estimate and the tests."""
+    what apply_tp + apply_ep + apply_fsdp assign. Used by the memory estimate and the tests."""
     specs = {}
     for name, p in model.named_parameters():
         base = tp_spec(name, p.dim()) if parallel_dims.tp > 1 else (None,) * p.dim()
-        specs[name] = fsdp_spec(p.shape, base, parallel_dims.dp_shard)
+        if parallel_dims.ep > 1:
+            base = ep_spec(name, base)
+        axis, degree = fsdp_axes(base, parallel_dims)
+        specs[name] = fsdp_spec(p.shape, base, degree, axis)
     return specs
 
 
@@ -101,6 +122,29 @@ def apply_tp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
     vocab shards). Sequence parallelism between blocks comes from `apply_activation_sharding`."""
     for name, param in model.named_parameters():
         shard_param(param, mesh, tp_spec(name, param.dim()))
+
+
+def apply_ep(model: nn.Module, mesh) -> None:
+    """Expert parallelism: each stacked expert weight split over `ep` on its expert dimension (on
+    top of TP's split of its hidden dimension), and the tokens moved to their experts' devices.
+
+    The MoE layer dispatches each device's own tokens into [expert, batch, slot, dim] slots
+    (`expert_inputs`); constraining that tensor first as the batch is split (every expert's slots
+    of this device's sequences), then by expert over `ep` (this device's experts, the slots of
+    every sequence of its `ep` group) is a reshard the SPMD partitioner makes an all-to-all. The
+    experts' outputs go back the same way (`expert_outputs`), and the gradients in reverse."""
+    from torchtitan_xla.models.llama.moe import MoE
+
+    for name, param in model.named_parameters():
+        spec = ep_spec(name, partition_spec(param))
+        if spec != partition_spec(param):
+            shard_param(param, mesh, spec)
+    non_expert = tuple(a for a in BATCH_AXES if a != "ep")
+    by_batch = runtime.constraint(mesh, (None, BATCH_AXES, None, None))
+    by_expert = runtime.constraint(mesh, ("ep", non_expert, None, None))
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.expert_inputs.register_forward_hook(lambda m, args, out: by_expert(by_batch(out)))
+        moe.expert_outputs.register_forward_hook(lambda m, args, out: by_batch(by_expert(out)))
 
 
 def apply_activation_sharding(model: nn.Module, mesh) -> None:
@@ -124,21 +168,23 @@ def apply_activation_sharding(model: nn.Module, mesh) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
-    """Per-parameter FSDP: shard every parameter over the `fsdp` axis, on top of its TP spec.
+    """Per-parameter FSDP: shard every parameter over the `fsdp` axis (dense ones over `fsdp` x
+    `ep`), on top of its TP / EP spec.
 
     Gradients and optimizer state take the parameter's sharding; XLA all-gathers each parameter
     where it is used and reduce-scatters its gradient. Over `dp_replicate` parameters are
-    replicated (HSDP). The batch is split over both data-parallel axes by the input sharding."""
+    replicated (HSDP). The batch is split over every data-parallel axis by the input sharding."""
     unsharded = []
     for name, param in model.named_parameters():
         base = partition_spec(param)
-        spec = fsdp_spec(param.shape, base, parallel_dims.dp_shard)
-        if spec == base and parallel_dims.dp_shard > 1:
+        axis, degree = fsdp_axes(base, parallel_dims)
+        spec = fsdp_spec(param.shape, base, degree, axis)
+        if spec == base and degree > 1:
             unsharded.append(name)
         shard_param(param, mesh, spec)
     if unsharded:
-        logger.info(f"FSDP: {len(unsharded)} parameters have no dimension divisible by "
-                    f"{parallel_dims.dp_shard} and stay replicated: {', '.join(unsharded[:4])}...")
+        logger.info(f"FSDP: {len(unsharded)} parameters have no dimension divisible by their "
+                    f"shard count and stay replicated: {', '.join(unsharded[:4])}...")
 
 
 # ---- activation checkpointing ----------------------------------------------------------------
@@ -259,6 +305,8 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
                       job_config: JobConfig) -> nn.Module:
     if parallel_dims.tp > 1:
         apply_tp(model, mesh, parallel_dims)
+    if parallel_dims.ep > 1:
+        apply_ep(model, mesh)
     if parallel_dims.world_size > 1:
         apply_activation_sharding(model, mesh)
     ac = job_config.activation_checkpoint

@@ -4,10 +4,12 @@ roofline. Exit 0: fits; 1: does not fit; 2: bad input (one line)."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 from torchtitan_xla.config import parse_args
 from torchtitan_xla.errors import ConfigError, run_main
+from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
 GiB = 2**30
 
@@ -22,7 +24,7 @@ def report(plan, cfg) -> str:
     policy = ac.mode if ac.mode != "selective" else f"selective {ac.selective_ac_option}"
     loss = f"chunks of {cfg.loss.chunk_size} tokens" if cfg.loss.chunk_size else "full logits"
     mesh = " x ".join(f"{k} {v}" for k, v in plan.mesh.items())
-    ranks = plan.mesh["dp_replicate"] * plan.mesh["fsdp"]
+    ranks = math.prod(plan.mesh[a] for a in BATCH_AXES)
     microbatches = max(t.global_batch_size // (t.local_batch_size * ranks), 1)
     name, shape, spec = m.largest_shard
     lines = [

@@ -84,8 +84,9 @@ def audit_point(row: dict, result: dict) -> tuple[dict, dict, list[str]]:
     dims = ParallelDims.from_config(cfg.parallelism, row["devices"])
     args, model = build_meta_model(cfg, **row["model"])
     t = cfg.training
-    expected = comms.theory(model, dims, tokens=t.local_batch_size * t.seq_len, microbatches=1,
-                            policy=activation_shape(cfg, args, dims, t.local_batch_size).policy)
+    policy = activation_shape(cfg, args, dims, t.local_batch_size).policy
+    expected = comms.theory(model, dims, tokens=t.local_batch_size * t.seq_len, seq_len=t.seq_len,
+                            microbatches=1, policy=policy)
     ops = [tuple(op) for op in result["collectives"]]
     findings = comms.audit(ops, expected, parameters=comms.parameters_by_shape(model))
     return comms.measured(ops), expected, findings
@@ -124,7 +125,8 @@ def _left_out_of_fsdp(names: list[str]):
         original(model, mesh, parallel_dims)
         for name, param in model.named_parameters():
             if name in names:
-                spec = tuple(None if axis == "fsdp" else axis for axis in pl.partition_spec(param))
+                spec = tuple(None if axis == "fsdp" or isinstance(axis, tuple) and "fsdp" in axis
+                             else axis for axis in pl.partition_spec(param))
                 pl.shard_param(param, mesh, spec)
 
     pl.apply_fsdp = apply_fsdp

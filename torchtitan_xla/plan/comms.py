@@ -28,7 +28,7 @@ def sent_bytes(kind: str, result_bytes: float, group: int) -> float:
     return (group - 1) / group * result_bytes
 
 
-def theory(model, parallel_dims, *, tokens: int, microbatches: int, policy: str,
+def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int, policy: str,
            param_bytes: int = 4, act_bytes: int = 4) -> dict[str, float]:
     """Bytes sent per device per step, by kind, for the model's parameters under `param_specs`.
 
@@ -43,22 +43,32 @@ def theory(model, parallel_dims, *, tokens: int, microbatches: int, policy: str,
     output moved to sequence shards by an all-to-all, forward and backward; parameters tensor
     parallelism leaves whole (the norms) all-reduce their gradient over the sequence shards.
     Parameters are gathered in their storage dtype (`param_bytes`: autocast converts after the
-    gather); activations move in the compute dtype (`act_bytes`)."""
+    gather); activations move in the compute dtype (`act_bytes`).
+
+    Expert parallelism: dense parameters are sharded (gathered, reduce-scattered) over fsdp x ep,
+    expert weights over fsdp alone (each ep device keeps its experts: the tokens come to them), and
+    each MoE block moves its expert-side tensor [experts, sequences, slots, dim] by all-to-all over
+    ep twice forward (to the experts and back) and twice backward (twice more when recomputed).
+    The activation collectives of MoE blocks under tensor parallelism are not modelled."""
+    from torchtitan_xla.models.llama.moe import MoE
     from torchtitan_xla.parallelisms import MESH_AXES
-    from torchtitan_xla.parallelisms.parallelize_llama import param_specs
+    from torchtitan_xla.parallelisms.parallelize_llama import fsdp_axes, param_specs
 
     from .memory import shard_shape
 
     out: dict[str, float] = defaultdict(float)
-    r, n, t, a = parallel_dims.dp_replicate, parallel_dims.dp_shard, parallel_dims.tp, microbatches
+    r, t, e, a = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.ep, microbatches
     sizes = dict(zip(MESH_AXES, parallel_dims.mesh_shape))
-    tp_only = {**sizes, "dp_replicate": 1, "fsdp": 1}
     specs = param_specs(model, parallel_dims)
     for name, p in model.named_parameters():
         spec = specs[name]
         grad_bytes = GRAD_BYTES if p.requires_grad else 0  # a frozen (LoRA base) weight has none
         axes = {x for s in spec for x in ((s,) if isinstance(s, str) else (s or ()))}
-        whole = math.prod(shard_shape(tuple(p.shape), spec, tp_only))  # elements per tp shard
+        # Without FSDP's axis: the tp / ep split, which stays. FSDP's group (fsdp, and ep for a
+        # dense weight) gathers it or, if it could not shard it, all-reduces its gradient.
+        kept = tuple(None if "fsdp" in ((s,) if isinstance(s, str) else (s or ())) else s for s in spec)
+        whole = math.prod(shard_shape(tuple(p.shape), kept, sizes))  # elements per tp / ep shard
+        n = fsdp_axes(kept, parallel_dims)[1]
         if "fsdp" in axes:
             gathers = 1 if "tok_embeddings" in name else 2 + (policy == "full" and "layers." in name)
             out["all-gather"] += a * gathers * sent_bytes("all-gather", whole * param_bytes, n)
@@ -71,10 +81,15 @@ def theory(model, parallel_dims, *, tokens: int, microbatches: int, policy: str,
         out["all-reduce"] += a * sent_bytes("all-reduce", local * grad_bytes, r)
     blocks = len(model.layers)
     recompute = 2 * blocks if policy == "full" else 0
-    sequence = tokens * model.tok_embeddings.weight.shape[1] * act_bytes  # [tokens, dim]
+    dim = model.tok_embeddings.weight.shape[1]
+    sequence = tokens * dim * act_bytes  # [tokens, dim]
     out["all-gather"] += a * (4 * blocks + 1 + recompute) * sent_bytes("all-gather", sequence, t)
     out["reduce-scatter"] += a * (7 * blocks + 1 + recompute) * sent_bytes("reduce-scatter", sequence / t, t)
     out["all-to-all"] += a * 2 * sent_bytes("all-to-all", sequence / t, t)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        slots = tokens // seq_len * moe.capacity(seq_len) * moe.num_experts  # expert-side rows
+        moves = 4 + 2 * (policy == "full")
+        out["all-to-all"] += a * moves * sent_bytes("all-to-all", slots * dim * act_bytes, e)
     return {k: out.get(k, 0.0) for k in KINDS}
 
 

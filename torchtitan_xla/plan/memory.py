@@ -175,8 +175,8 @@ def activation_shape(job_config: JobConfig, args, parallel_dims, microbatch: int
     return Shape(args.n_layers, args.dim, args.ffn_hidden_dim, args.n_heads, args.vocab_size,
                  job_config.training.seq_len, microbatch, parallel_dims.tp, policy,
                  job_config.model.attention, job_config.loss.chunk_size,
-                 2 if job_config.training.mixed_precision_param == "bfloat16" else 4, parallel_dims.dp_shard,
-                 parallel_dims.world_size)
+                 2 if job_config.training.mixed_precision_param == "bfloat16" else 4,
+                 parallel_dims.shard_degree, parallel_dims.world_size)
 
 
 def features(s: Shape, parameter_bytes: int) -> list[float]:

@@ -8,10 +8,11 @@ module outside it imports torch_xla or sets XLA's environment variables.
   per step compiler, the XLA CPU backend's compiler flags and host malloc.
 - `device`: SPMD start-up, device and host counts, syncs, transfers, RNG, compile counts, memory
   statistics, profiler traces.
-- `sharding`: the mesh, partition-spec annotations, activation constraints, input sharding.
+- `sharding`: the mesh, partition-spec annotations, activation constraints, input sharding,
+  per-device regions (`per_shard`, as jax's shard_map).
 - `step`: the step compilers (`replay`, `lazy`) and the recompile guard.
 - `checkpointing`: DCP's SPMD planners, device snapshots and host copies for checkpoints.
-- `kernels`: Pallas attention, the float32-result dot, activation-checkpoint fences, scan.
+- `kernels`: Pallas attention and grouped matmul, the float32-result dot, activation-checkpoint fences, scan.
 
 `from torchtitan_xla import runtime` is cheap; each name loads its module on first use.
 """
@@ -27,7 +28,7 @@ _EXPORTS = {
                "tpu_accelerator_type", "slice_count", "start_trace", "stop_trace"),
     "process": ("configure", "TORCH_XLA_VERSION", "STEP_COMPILERS"),
     "sharding": ("build_mesh", "mark_sharding", "constraint", "input_sharding", "copy_sharding",
-                 "sharding_text", "Spec"),
+                 "sharding_text", "per_shard", "Spec"),
     "step": ("build_step", "CompileGuard", "LazyStep", "ReplayedStep"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

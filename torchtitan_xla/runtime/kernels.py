@@ -1,6 +1,6 @@
 """torch_xla's own ops and kernels that the model-side code calls through here: the Pallas
-attention kernels (TPU only), the float8 dot with a float32 result, activation-checkpoint fences,
-and scan over layers (through torch_xla's JAX bridge)."""
+attention and grouped-matmul kernels (TPU only), the float8 dot with a float32 result,
+activation-checkpoint fences, and scan over layers (through torch_xla's JAX bridge)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,18 @@ def splash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
     # The splash kernel does not scale the scores itself.
     return kernel(q * q.shape[-1] ** -0.5, k, v, config.to_json(), decoder_segment_ids=segment_ids,
                   causal=True)
+
+
+def grouped_mm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """torch_xla's Pallas grouped matmul (megablox gmm, with its tgmm backward): rows of lhs [m, k]
+    in consecutive groups of group_sizes [E] (int32), group e times rhs[e] [k, n]. TPU only; its
+    tiles (512) must divide m. Not verified on TPU by this project."""
+    from torch_xla.experimental.custom_kernel import GMM
+
+    if torch.is_autocast_enabled("xla"):  # autocast does not reach into a custom autograd Function
+        dtype = torch.get_autocast_dtype("xla")
+        lhs, rhs = lhs.to(dtype), rhs.to(dtype)
+    return GMM.apply(lhs, rhs, group_sizes)
 
 
 def dot_f32(a: torch.Tensor, b: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:

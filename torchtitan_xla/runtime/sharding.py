@@ -73,3 +73,67 @@ def input_sharding(mesh, spec: Spec, *, hosts: int = 1):
     import torch_xla.distributed.spmd as xs
 
     return xs.ShardingSpec(mesh, spec, minibatch=hosts > 1)
+
+
+def per_shard(fn: Callable, mesh, specs: Sequence[Spec], out_spec: Spec, sum_axes: Spec):
+    """`fn` run by every device on its own shards, as jax's shard_map: each input enters as the
+    local block of `specs` (a replicated spec: the whole tensor on every device), the output leaves
+    as the blocks of `out_spec`. For code the SPMD partitioner cannot split (a Pallas kernel) or
+    should not (a sort over the local batch only). Differentiable: the backward pass recomputes
+    `fn` on the same blocks; the gradient of a replicated input, partial on each device, is summed
+    over the `sum_axes` that split the batch."""
+    import torch_xla.distributed.spmd as xs
+
+    def manual(t, spec):
+        # A new value (`clone` would alias a parameter's data, whose own sharding this would
+        # change; the product inherits the annotation, which is cleared).
+        t = t * 1
+        if is_sharded(t):
+            xs.clear_sharding(t)
+        return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
+
+    def full(t, spec, shape):
+        return xs.disable_manual_sharding(t, spec, shape, mesh=mesh).global_tensor
+
+    class PerShard(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *tensors):
+            ctx.save_for_backward(*tensors)
+            # The recomputation in backward runs outside the step's autocast: it re-enters it.
+            ctx.autocast = dict(device_type="xla", enabled=torch.is_autocast_enabled("xla"),
+                                dtype=torch.get_autocast_dtype("xla"))
+            out = fn(*(manual(t, s) for t, s in zip(tensors, specs)))
+            ctx.out_shape = _full_shape(out.shape, out_spec, mesh)
+            return full(out, out_spec, ctx.out_shape)
+
+        @staticmethod
+        def backward(ctx, grad):
+            tensors = ctx.saved_tensors
+            local = [manual(t, s).detach().requires_grad_(t.is_floating_point() and ctx.needs_input_grad[i])
+                     for i, (t, s) in enumerate(zip(tensors, specs))]
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                out = fn(*local)
+            wanted = [t for t in local if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, manual(grad, out_spec)))
+            result = []
+            for t, s, loc in zip(tensors, specs, local):
+                if not loc.requires_grad:
+                    result.append(None)
+                elif any(a is not None for a in s):
+                    result.append(full(next(grads), s, t.shape))
+                else:  # one partial sum per device of the batch axes, added up by the partitioner
+                    g = next(grads).unsqueeze(0)
+                    shape = (_full_shape((1,), (sum_axes,), mesh)[0], *t.shape)
+                    result.append(full(g, (sum_axes, *(None,) * t.dim()), shape).sum(0))
+            return tuple(result)
+
+    return lambda *tensors: PerShard.apply(*tensors)
+
+
+def _full_shape(local: Sequence[int], spec: Spec, mesh) -> tuple[int, ...]:
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    out = []
+    for n, axes in zip(local, spec):
+        names = (axes,) if isinstance(axes, str) else (axes or ())
+        out.append(n * int(np.prod([sizes[a] for a in names])))
+    return tuple(out)

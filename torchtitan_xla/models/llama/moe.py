@@ -21,6 +21,11 @@ Parameters (under the block's `feed_forward`): `router.weight` [E, dim], `w1` an
 [E, hidden, dim], `w2` [E, dim, hidden] (expert e computes w2[e] silu(w1[e] x) * w3[e] x, as the
 dense FeedForward's w1/w3/w2).
 
+With `[moe] grouped_mm` the experts run instead on the routed tokens sorted by expert, as grouped
+matmuls (`sorted_experts`; megablox's layout): no slots, so no E-fold work on the tokens, dropless.
+The grouped matmul is a plain PyTorch reference here, swapped for torch_xla's Pallas kernel on TPU
+from outside (moe_kernels.py) by setting `routed_experts`.
+
 Router losses reach the gradient without a second return path through the model: the trainer sets
 `aux_loss_weight` and `z_loss_weight` (already divided by its number of microbatches), and the
 forward output carries `aux_loss_weight * aux + z_loss_weight * z` into backward (AddAuxLossGrad).
@@ -85,6 +90,36 @@ def dispatch_and_combine(experts: torch.Tensor, weights: torch.Tensor, num_exper
     return dispatch, combine, slot < capacity
 
 
+def grouped_mm_reference(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Rows of lhs [m, k] in consecutive groups of group_sizes [E] rows, group e times rhs[e]
+    [k, n]: megablox's gmm, in plain PyTorch (every expert over every row, masked: E times the
+    kernel's work, but static shapes and nothing on the host)."""
+    rows = torch.arange(lhs.shape[0], device=lhs.device)
+    group = (rows[:, None] >= torch.cumsum(group_sizes, 0)[None, :]).sum(-1)  # [m]
+    out = lhs.new_zeros(lhs.shape[0], rhs.shape[-1])
+    for e in range(rhs.shape[0]):
+        out = out + (group == e)[:, None].to(lhs.dtype) * (lhs @ rhs[e])
+    return out
+
+
+def sorted_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor, w3: torch.Tensor, grouped_mm=grouped_mm_reference) -> torch.Tensor:
+    """The experts on every routed token (dropless): the tokens' k copies sorted by expert, each
+    expert's SwiGLU as grouped matmuls over its run of rows, the outputs weighted and summed back
+    per token. x [batch, seq, dim]; experts, weights [batch, seq, k]."""
+    b, s, d = x.shape
+    k, num_experts = experts.shape[-1], w1.shape[0]
+    choice = experts.reshape(-1)  # [b*s*k], token t's choices at t*k ... t*k + k-1
+    order = torch.argsort(choice, stable=True)
+    token = order // k
+    rows = x.reshape(-1, d)[token]
+    group_sizes = (choice[:, None] == torch.arange(num_experts, device=x.device)).sum(0).to(torch.int32)
+    h = (F.silu(grouped_mm(rows, w1.transpose(1, 2), group_sizes))
+         * grouped_mm(rows, w3.transpose(1, 2), group_sizes))
+    y = grouped_mm(h, w2.transpose(1, 2), group_sizes) * weights.reshape(-1)[order, None].to(h.dtype)
+    return x.new_zeros(b * s, d, dtype=y.dtype).index_add(0, token, y).view(b, s, d)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts over tokens [batch, seq, dim]; see the module docstring.
 
@@ -106,6 +141,9 @@ class MoE(nn.Module):
         # expert-side tensors [E, batch, C, dim] (forward hooks, from outside, as `attention.sdpa`
         # is swapped), e.g. first by batch, then by expert, which the partitioner does by all-to-all.
         self.expert_inputs, self.expert_outputs = nn.Identity(), nn.Identity()
+        # Set from outside for [moe] grouped_mm: (x, experts, weights, w1, w2, w3) -> out, the
+        # experts on the routed tokens without slots (`sorted_experts`). None: GShard's dispatch.
+        self.routed_experts = None
         # Set by the trainer; plain floats, so a weight of 0 leaves the loss out of the graph.
         self.aux_loss_weight = 0.0
         self.z_loss_weight = 0.0
@@ -124,15 +162,11 @@ class MoE(nn.Module):
         probs = _upcast(logits).softmax(-1)
         top_p, experts = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True)
-        dispatch, combine, kept = dispatch_and_combine(experts, weights, self.num_experts,
-                                                       self.capacity(x.shape[1]))
-
-        # Batch and expert stay separate dimensions throughout, so that batch and experts can be
-        # sharded on different mesh axes.
-        xe = self.expert_inputs(torch.einsum("bsec,bsd->ebcd", dispatch.type_as(x), x))
-        h = F.silu(torch.einsum("ebcd,ehd->ebch", xe, self.w1)) * torch.einsum("ebcd,ehd->ebch", xe, self.w3)
-        ye = self.expert_outputs(torch.einsum("ebch,edh->ebcd", h, self.w2))
-        out = torch.einsum("bsec,ebcd->bsd", combine.type_as(ye), ye)
+        if self.routed_experts is not None:
+            out = self.routed_experts(x, experts, weights, self.w1, self.w2, self.w3)
+            kept = torch.ones_like(experts, dtype=torch.bool)
+        else:
+            out, kept = self.dispatched_experts(x, experts, weights)
 
         # Load balancing (Switch / Mixtral, as transformers' load_balancing_loss_func for one
         # layer): E * sum_e (fraction of tokens choosing e among their top-k) * (mean probability
@@ -150,6 +184,17 @@ class MoE(nn.Module):
         if self.aux_loss_weight or self.z_loss_weight:
             out = AddAuxLossGrad.apply(out, self.aux_loss_weight * aux + self.z_loss_weight * z)
         return out
+
+    def dispatched_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """GShard: the experts on their slots; (out, kept) as `dispatch_and_combine`."""
+        dispatch, combine, kept = dispatch_and_combine(experts, weights, self.num_experts,
+                                                       self.capacity(x.shape[1]))
+        # Batch and expert stay separate dimensions throughout, so that batch and experts can be
+        # sharded on different mesh axes.
+        xe = self.expert_inputs(torch.einsum("bsec,bsd->ebcd", dispatch.type_as(x), x))
+        h = F.silu(torch.einsum("ebcd,ehd->ebch", xe, self.w1)) * torch.einsum("ebcd,ehd->ebch", xe, self.w3)
+        ye = self.expert_outputs(torch.einsum("ebch,edh->ebcd", h, self.w2))
+        return torch.einsum("bsec,ebcd->bsd", combine.type_as(ye), ye), kept
 
     def init_weights(self, init_std: float) -> None:
         # As the dense FeedForward (and torchtitan's MoE): w1 at 0.02, the rest at the block's std.
