@@ -34,6 +34,8 @@ MESHES = {
     "ep2_fsdp2_tp2": ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
                       "--parallelism.tensor_parallel_degree", "2"],
     "ep8": ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "8"],
+    "hsdp2_fsdp2_ep2": ["--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", "2",
+                        "--parallelism.data_parallel_replicate_degree", "2"],
     # Sorted experts and grouped matmuls, each device on its own sequences (runtime.per_shard).
     "fsdp8_grouped_mm": ["--training.local_batch_size", "1", "--moe.grouped_mm"],
     "fsdp8_grouped_mm_bf16": ["--training.local_batch_size", "1", "--moe.grouped_mm", *BF16],
@@ -96,7 +98,7 @@ def test_experts_and_router_carry_the_requested_sharding(mesh, expected, eight_d
         assert params["layers.0.attention.wq.weight"]["partition_spec"][-1 if "tp" in mesh else 0] == FSDP_EP
 
 
-@pytest.mark.parametrize("mesh", ["ep4_fsdp2", "ep2_fsdp2_tp2", "ep8"])
+@pytest.mark.parametrize("mesh", ["ep4_fsdp2", "ep2_fsdp2_tp2", "ep8", "hsdp2_fsdp2_ep2"])
 def test_tokens_reach_their_experts_by_all_to_all_and_experts_stay_split(mesh, eight_devices):
     """The compiled step (its optimized HLO): the expert-side tensors cross the ep group by
     all-to-all, bytes as the plan's theory says (4 per MoE block: to the experts and back, forward
