@@ -241,6 +241,12 @@ def test_model_and_batch_checks():
         dims.check_model(16, 16, 256, 768)
     with pytest.raises(ConfigError, match=r"must divide the model's n_kv_heads \(8\)"):
         _dims([P + "tensor_parallel_degree", "16"], 16).check_model(64, 8, 8192, 28672)
+    # A model read from a checkpoint (eval) is checked against the expert degree too.
+    ep4 = _dims(["--model.name", "mixtral", P + "expert_parallel_degree", "4"], 8)
+    ep4.check_model(16, 8, 256, 768, num_experts=8)
+    for experts in (6, 0):
+        with pytest.raises(ConfigError, match=rf"expert_parallel_degree \(4\) must divide the model's num_experts \({experts}\)"):
+            ep4.check_model(16, 8, 256, 768, num_experts=experts)
     fsdp8 = _dims([], 8)
     with pytest.raises(ConfigError, match=r"global_batch_size \(12\) must be a multiple of local_batch_size \(1\) x data-parallel degree \(8\) = 8"):
         fsdp8.check_batch(12, 1, 64, 1)

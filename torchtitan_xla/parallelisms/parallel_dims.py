@@ -71,14 +71,20 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[int, int, int, int]:
         return (self.dp_replicate, self.dp_shard, self.ep, self.tp)
 
-    def check_model(self, n_heads: int, n_kv_heads: int, dim: int, ffn_hidden_dim: int) -> None:
-        """Tensor parallelism splits heads and hidden sizes evenly over `tp` devices."""
+    def check_model(self, n_heads: int, n_kv_heads: int, dim: int, ffn_hidden_dim: int,
+                    num_experts: int = 0) -> None:
+        """Tensor parallelism splits heads and hidden sizes evenly over `tp` devices, expert
+        parallelism the experts over `ep` (for a model read from a checkpoint: the config's
+        [moe] checks ran on the flavor)."""
         for what, size in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("dim", dim),
                            ("FFN hidden size", ffn_hidden_dim)):
             if size % self.tp:
                 raise ConfigError(
                     f"[parallelism] tensor_parallel_degree ({self.tp}) must divide the model's "
                     f"{what} ({size})")
+        if self.ep > 1 and (num_experts % self.ep or not num_experts):
+            raise ConfigError(f"[parallelism] expert_parallel_degree ({self.ep}) must divide the "
+                              f"model's num_experts ({num_experts})")
 
     def check_batch(self, global_batch: int, local_batch: int, seq_len: int, num_hosts: int) -> int:
         """Validate the batch shape; returns the gradient-accumulation steps per optimizer step."""

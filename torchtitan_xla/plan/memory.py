@@ -214,7 +214,7 @@ def temporaries(s: Shape, parameter_bytes: int) -> int:
 def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None,
              **overrides) -> Memory:
     args, model = build_meta_model(job_config, vocab_size, **overrides)
-    parallel_dims.check_model(args.n_heads, args.kv_heads, args.dim, args.ffn_hidden_dim)
+    parallel_dims.check_model(args.n_heads, args.kv_heads, args.dim, args.ffn_hidden_dim, args.num_experts)
     elements, largest = local_parameters(model, parallel_dims)
     # Gradients and optimizer state exist only for what trains (LoRA: the adapters).
     trained, _ = local_parameters(model, parallel_dims, trainable_only=True)
