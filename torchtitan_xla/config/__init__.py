@@ -1,5 +1,6 @@
-"""The job configuration: schema (`job_config.py`), reading and checking (`manager.py`), and the
-generated option reference (`reference.py`). Imports neither torch nor torch_xla."""
+"""The job configuration: schema (`job_config.py`), reading (`manager.py`), checks of keys against
+each other (`checks.py`), and the generated option reference (`reference.py`). Imports neither
+torch nor torch_xla."""
 
 from torchtitan_xla.config.job_config import JobConfig
 from torchtitan_xla.config.manager import parse_args

@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from torchtitan_xla.config.checks import check_combinations
 from torchtitan_xla.config.job_config import JobConfig
 from torchtitan_xla.errors import ConfigError
 
@@ -268,124 +269,7 @@ def _validate(cfg: JobConfig, sources: _Sources) -> None:
             problem = _check_bounds(getattr(section, key), f)
             if problem:
                 raise ConfigError(f"{sources.describe(sname, key)} = {getattr(section, key)!r}: {problem}")
-    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
-    for part in cfg.checkpoint.exclude_from_loading:
-        if part not in parts:
-            raise ConfigError(
-                f"{sources.describe('checkpoint', 'exclude_from_loading')}: unknown part {part!r}; "
-                f"expected any of {', '.join(sorted(parts))}")
-    ac = cfg.activation_checkpoint
-    if ac.selective_ac_option != "op" and not (ac.selective_ac_option.isdigit()
-                                               and int(ac.selective_ac_option) > 0):
-        raise ConfigError(
-            f"{sources.describe('activation_checkpoint', 'selective_ac_option')} = "
-            f"{ac.selective_ac_option!r}: expected 'op' or a positive integer N (every N-th block)")
-    if cfg.compile.scan_layers and not (
-            ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option == "op")):
-        raise ConfigError(
-            f"{sources.describe('compile', 'scan_layers')} = true cannot be combined with "
-            f"[activation_checkpoint] mode = {ac.mode!r}"
-            + (f", selective_ac_option = {ac.selective_ac_option!r}" if ac.mode == "selective" else "")
-            + ": under scan use mode 'none' or selective 'op'")
-    if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
-        raise ConfigError(
-            f"{sources.describe('training', 'global_batch_size')} = "
-            f"{cfg.training.global_batch_size}: must be -1 (no accumulation) or > 0")
-    p = cfg.parallelism
-    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
-        raise ConfigError(
-            f"{sources.describe('parallelism', 'data_parallel_shard_degree')} = "
-            f"{p.data_parallel_shard_degree}: must be -1 (all remaining devices) or > 0")
-    t, chunk = cfg.training, cfg.loss.chunk_size
-    if chunk and (t.local_batch_size * t.seq_len) % chunk:
-        raise ConfigError(
-            f"{sources.describe('loss', 'chunk_size')} = {chunk}: must divide the tokens of one "
-            f"data-parallel rank per microbatch, local_batch_size x seq_len = "
-            f"{t.local_batch_size} x {t.seq_len} = {t.local_batch_size * t.seq_len}")
-    if cfg.validation.enable and cfg.validation.steps == 0:
-        raise ConfigError(f"{sources.describe('validation', 'steps')} = 0: must be -1 (the whole "
-                          f"split) or a number of batches > 0")
-    lora = cfg.lora
-    if lora.rank and cfg.float8.enable_float8_linear:
-        raise ConfigError(f"{sources.describe('lora', 'rank')} = {lora.rank}: LoRA cannot be combined "
-                          f"with [float8] enable_float8_linear = true (adapters on float8 linears "
-                          f"are not supported); turn one of them off")
-    if lora.rank and lora.dropout and cfg.compile.step == "replay":
-        # A replayed step reads the random seed as a frozen number: every step would drop the same
-        # units. The lazy step draws new ones.
-        raise ConfigError(f"{sources.describe('lora', 'dropout')} = {lora.dropout:g} needs "
-                          f"[compile] step = \"lazy\" (a replayed step would reuse one dropout mask)")
-    prof = cfg.profiling
-    if prof.profiler_active > prof.profile_freq:
-        raise ConfigError(
-            f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
-            f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
-            f"before the next starts")
-    from torchtitan_xla.models import flavors_of  # torch-free registry of names
-
-    known = flavors_of(cfg.model.name)
-    if cfg.model.flavor not in known:
-        raise ConfigError(
-            f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
-            f"{cfg.model.name}; expected one of {', '.join(known)}")
-    _validate_moe(cfg, sources)
-
-
-def _validate_moe(cfg: JobConfig, sources: _Sources) -> None:
-    """[moe] against the model it changes, before anything is built."""
-    from torchtitan_xla.models import get_model_args, moe_overrides
-
-    m, model = cfg.moe, f"{cfg.model.name} {cfg.model.flavor}"
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
-    ep = cfg.parallelism.expert_parallel_degree
-    if not (m.num_experts or args.num_experts):
-        given = [k for k in ("top_k", "moe_every", "capacity_factor", "grouped_mm") if getattr(m, k)]
-        if given:
-            raise ConfigError(f"{sources.describe('moe', given[0])} = {getattr(m, given[0])!r}: the "
-                              f"model {model} is dense (no experts); set [moe] num_experts, or use "
-                              f"a mixtral flavor")
-        if ep > 1:
-            raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep}: "
-                              f"the model {model} is dense (no experts to split); set [moe] "
-                              f"num_experts, or use a mixtral flavor")
-        return
-    experts, top_k = m.num_experts or args.num_experts, m.top_k or args.top_k
-    if experts % ep:
-        raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep} must "
-                          f"divide num_experts ({experts}) of {model}")
-    if top_k == 1:
-        raise ConfigError(f"{sources.describe('moe', 'top_k')} = 1: Mixtral's router renormalises "
-                          f"the top_k probabilities, so one expert gets weight 1 and the router no "
-                          f"gradient from the loss; use top_k >= 2")
-    if top_k > experts:
-        key = "top_k" if m.top_k else "num_experts"
-        raise ConfigError(f"{sources.describe('moe', key)} = {getattr(m, key)}: top_k ({top_k}) cannot "
-                          f"exceed num_experts ({experts}) of {model}")
-    every = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(m)).moe_every
-    if every > 1 and cfg.checkpoint.last_save_in_hf:
-        raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a model with "
-                          f"MoE in one block of every {every} (GLaM-style) has no HuggingFace architecture "
-                          f"to export to; keep the DCP checkpoints instead")
-    if m.grouped_mm:
-        p = cfg.parallelism
-        clash = ([("moe", "capacity_factor", f"{m.capacity_factor:g}", "sorted experts are dropless")]
-                 if m.capacity_factor else []) + [
-            ("parallelism", k, str(getattr(p, k)), "not supported with it yet")
-            for k in ("expert_parallel_degree", "tensor_parallel_degree") if getattr(p, k) > 1]
-        if clash:
-            section, key, value, why = clash[0]
-            raise ConfigError(f"{sources.describe('moe', 'grouped_mm')} = true cannot be combined with "
-                              f"[{section}] {key} = {value}: {why}")
-    if cfg.lora.rank:
-        raise ConfigError(f"{sources.describe('lora', 'rank')} = {cfg.lora.rank}: LoRA adapters for "
-                          f"mixture-of-experts models ({model}) are not supported yet")
-    if cfg.float8.enable_float8_linear:
-        raise ConfigError(f"{sources.describe('float8', 'enable_float8_linear')} = true: float8 is "
-                          f"not supported with mixture-of-experts models ({model}) yet")
-    if cfg.compile.scan_layers:
-        raise ConfigError(f"{sources.describe('compile', 'scan_layers')} = true: scan is not "
-                          f"supported with mixture-of-experts models ({model}) yet (the router's "
-                          f"statistics are read from the blocks)")
+    check_combinations(cfg, sources)
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
