@@ -273,6 +273,50 @@ def test_sorted_experts_equal_dispatch_forward_and_backward(top_k):
         torch.testing.assert_close(grouped, dispatched, rtol=0, atol=1e-12)
 
 
+def test_padding_takes_no_slot_and_no_share_of_the_router_losses():
+    """A row of 6 tokens then 4 padding (`tokens` False): with a capacity that drops, the real
+    tokens get the slots, outputs, router losses and load the 6 tokens alone get (the same C = 2
+    slots per expert for 10 and 6 tokens), and padding's output is zero. Without the mask the
+    padding's first choices take slots before the real tokens' second choices."""
+    x = torch.randn(1, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    tokens = torch.arange(10)[None] < 6
+    moe = _moe(2, capacity_factor=0.4)
+    assert moe.capacity(10) == moe.capacity(6) == 2
+    with torch.no_grad():
+        alone = moe(x[:, :6])
+        alone_stats, alone_load = moe.router_stats, moe.expert_load
+        masked = moe(x, tokens)
+        torch.testing.assert_close(masked[:, :6], alone, rtol=0, atol=1e-13)
+        assert torch.equal(masked[:, 6:], torch.zeros_like(masked[:, 6:]))
+        torch.testing.assert_close(moe.router_stats, alone_stats, rtol=0, atol=1e-6)  # float32 stats
+        torch.testing.assert_close(moe.expert_load, alone_load, rtol=0, atol=1e-6)
+        assert not torch.allclose(moe(x)[:, :6], alone, atol=1e-6)  # unmasked, padding steals slots
+        # Sorted experts (dropless) route padding nowhere as well.
+        dropless = _moe(2)
+        expected = dropless(x[:, :6])
+        dropless.routed_experts = sorted_experts
+        got = dropless(x, tokens)
+        torch.testing.assert_close(got[:, :6], expected, rtol=0, atol=1e-13)
+        assert torch.equal(got[:, 6:], torch.zeros_like(got[:, 6:]))
+
+
+def test_packed_padding_leaves_every_blocks_router_losses_as_without_it():
+    """Through the model: a packed row whose last 8 positions are padding (document 0) gives the
+    real tokens' logits and every MoE block's router statistics of the row without the padding."""
+    model = _mixtral()
+    tokens = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(1))
+    documents = torch.tensor([[1] * 10 + [2] * 6 + [0] * 8])
+    positions = torch.cat([torch.arange(10), torch.arange(6), torch.zeros(8, dtype=torch.long)])[None]
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    with torch.no_grad():
+        real = model(tokens[:, :16], positions[:, :16], documents[:, :16])
+        stats = [m.router_stats for m in blocks]
+        padded = model(tokens, positions, documents)
+    torch.testing.assert_close(padded[:, :16], real, rtol=0, atol=1e-12)
+    for m, expected in zip(blocks, stats):
+        torch.testing.assert_close(m.router_stats, expected, rtol=0, atol=1e-6)
+
+
 def _two_groups(b: int = 1) -> tuple[MoE, torch.Tensor]:
     """Tokens 0-2 choose expert 1 then 0, tokens 3-5 expert 0 then 1 (router on features 0 and 1);
     in a second sequence (b = 2) every token chooses expert 0 then 1."""

@@ -103,8 +103,7 @@ def per_shard(fn: Callable, mesh, specs: Sequence[Spec], out_spec: Spec, sum_axe
             ctx.autocast = dict(device_type="xla", enabled=torch.is_autocast_enabled("xla"),
                                 dtype=torch.get_autocast_dtype("xla"))
             out = fn(*(manual(t, s) for t, s in zip(tensors, specs)))
-            ctx.out_shape = _full_shape(out.shape, out_spec, mesh)
-            return full(out, out_spec, ctx.out_shape)
+            return full(out, out_spec, _full_shape(out.shape, out_spec, mesh))
 
         @staticmethod
         def backward(ctx, grad):

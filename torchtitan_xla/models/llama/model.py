@@ -89,6 +89,7 @@ def attention_mask(queries: torch.Tensor, keys: torch.Tensor,
                    document_ids: torch.Tensor | None) -> torch.Tensor:
     """Which keys each query sees: causal over positions `queries` [q] and `keys` [k], and with
     `document_ids` [batch, seq] (several documents packed in one sequence) only its own document's.
+    Document 0 is padding (packing.py).
     [q, k], or [batch, 1, q, k] with documents."""
     mask = keys[None, :] <= queries[:, None]
     if document_ids is None:
@@ -177,6 +178,10 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
+        if document_ids is not None and isinstance(self.feed_forward, MoE):
+            # Padding (document 0) is routed nowhere: it takes no expert slot and no share of
+            # the router losses.
+            return h + self.feed_forward(self.ffn_norm(h), document_ids != 0)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:

@@ -66,10 +66,10 @@ def dispatch_and_combine(experts: torch.Tensor, weights: torch.Tensor, num_exper
                          capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GShard's dispatch of each sequence's choices into the experts' slots.
 
-    experts, weights: [batch, seq, k] each token's chosen experts (distinct) and their weights.
-    Returns dispatch [batch, seq, expert, slot] (1 where a token occupies a slot) and combine (the
-    same, holding the choice's weight), in the weights' dtype, and kept [batch, seq, k] (False for a
-    choice past its expert's capacity).
+    experts, weights: [batch, seq, k] each token's chosen experts (distinct) and their weights; a
+    choice of expert id E (padding) takes no slot. Returns dispatch [batch, seq, expert, slot] (1
+    where a token occupies a slot) and combine (the same, holding the choice's weight), in the
+    weights' dtype, and kept [batch, seq, k] (False for a choice past its expert's capacity).
 
     Slots are given in priority order: every token's first choice before any second choice, and
     within a rank in sequence order (GShard), so under capacity a token loses its lower choices first.
@@ -106,7 +106,7 @@ def sorted_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                    w2: torch.Tensor, w3: torch.Tensor, grouped_mm=grouped_mm_reference) -> torch.Tensor:
     """The experts on every routed token (dropless): the tokens' k copies sorted by expert, each
     expert's SwiGLU as grouped matmuls over its run of rows, the outputs weighted and summed back
-    per token. x [batch, seq, dim]; experts, weights [batch, seq, k]."""
+    per token. x [batch, seq, dim]; experts, weights [batch, seq, k] (expert id E: no expert)."""
     b, s, d = x.shape
     k, num_experts = experts.shape[-1], w1.shape[0]
     choice = experts.reshape(-1)  # [b*s*k], token t's choices at t*k ... t*k + k-1
@@ -117,6 +117,9 @@ def sorted_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     h = (F.silu(grouped_mm(rows, w1.transpose(1, 2), group_sizes))
          * grouped_mm(rows, w3.transpose(1, 2), group_sizes))
     y = grouped_mm(h, w2.transpose(1, 2), group_sizes) * weights.reshape(-1)[order, None].to(h.dtype)
+    # Rows past the groups (choices routed to no expert, id E: padding) are left out: a kernel
+    # need not write them.
+    y = torch.where((choice[order] < num_experts)[:, None], y, 0)
     return x.new_zeros(b * s, d, dtype=y.dtype).index_add(0, token, y).view(b, s, d)
 
 
@@ -156,12 +159,17 @@ class MoE(nn.Module):
             return seqlen
         return min(seqlen, math.ceil(self.capacity_factor * self.top_k * seqlen / self.num_experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [batch, seq, dim]; `tokens` [batch, seq] False where x is padding, which is then
+        routed to no expert (its output is zero) and left out of the router losses and stats."""
         logits = self.router(x)  # [b, s, E]
         # Softmax at least in float32 (Mixtral's router), top-k, renormalised over the k.
         probs = _upcast(logits).softmax(-1)
         top_p, experts = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True)
+        real = torch.ones_like(x[..., 0], dtype=probs.dtype) if tokens is None else tokens.to(probs.dtype)
+        if tokens is not None:  # expert id E matches no expert: no slot, no row of a group
+            experts = torch.where(tokens[..., None], experts, self.num_experts)
         if self.routed_experts is not None:
             out = self.routed_experts(x, experts, weights, self.w1, self.w2, self.w3)
             kept = torch.ones_like(experts, dtype=torch.bool)
@@ -170,14 +178,16 @@ class MoE(nn.Module):
 
         # Load balancing (Switch / Mixtral, as transformers' load_balancing_loss_func for one
         # layer): E * sum_e (fraction of tokens choosing e among their top-k) * (mean probability
-        # of e). The fractions count choices before capacity drops, and carry no gradient.
+        # of e). The fractions count choices before capacity drops, and carry no gradient. Means
+        # over the real tokens.
+        count = real.sum().clamp(min=1)
         fraction = (experts[..., None] == torch.arange(self.num_experts, device=x.device)).sum(-2)
-        fraction = fraction.to(probs.dtype).mean((0, 1))
-        mean_prob = probs.mean((0, 1))
+        fraction = fraction.to(probs.dtype).sum((0, 1)) / count
+        mean_prob = (probs * real[..., None]).sum((0, 1)) / count
         aux = self.num_experts * (fraction * mean_prob).sum()
         # Router z-loss (ST-MoE): keeps the logits small, where the softmax is well conditioned.
-        z = torch.logsumexp(_upcast(logits), dim=-1).pow(2).mean()
-        dropped = 1 - kept.to(probs.dtype).mean()
+        z = (torch.logsumexp(_upcast(logits), dim=-1).pow(2) * real).sum() / count
+        dropped = 1 - (kept.to(probs.dtype) * real[..., None]).sum() / (count * self.top_k)
         self.router_stats = torch.stack([aux, z, dropped]).detach().float()
         self.expert_load = torch.stack([fraction, mean_prob]).detach().float()
 
