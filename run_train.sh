@@ -8,6 +8,7 @@
 #   ./run_train.sh --dry-run [...]      # per host: the variables and the command; starts nothing
 #   ./run_train.sh --check-hosts [...]  # join all hosts (gloo) and compare their data; no XLA
 #   ./run_train.sh --plan [...]         # memory, collectives and roofline on the config's [plan] tpu
+#   ./run_train.sh --help               # every option, its type, default and meaning
 #
 # Hosts come from NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT, else from Slurm (inside srun), else
 # this is one host (or a TPU VM pod that its metadata server describes). See docs/multihost.md.
@@ -28,6 +29,14 @@ case "${1:-}" in
   --check-hosts) MODE=check-hosts; shift ;;
   --plan) MODE=plan; shift ;;
 esac
+# Help is printed by the program that reads the options, never through the launcher's `eval` below.
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help)
+      if [[ "$MODE" == plan ]]; then exec "$PY" -m torchtitan_xla.plan --help; fi
+      exec "$PY" "$REPO/train.py" --help ;;
+  esac
+done
 
 CONFIG_FILE="${CONFIG_FILE:-$REPO/train_configs/debug_model.toml}"
 if [[ ! -f "$CONFIG_FILE" && -f "$REPO/train_configs/$CONFIG_FILE" ]]; then

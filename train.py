@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.config import JobConfig, attributed, parse_args
 from torchtitan_xla.errors import run_main
 
 if TYPE_CHECKING:
@@ -61,8 +61,6 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     init_logger()
     logger.info(f"Starting job: {job_config.job.description}")
-    if job_config.job.print_config:
-        logger.info("Effective config:\n" + job_config.to_toml())
 
     # Where the run writes: shown to be writable now, not at the first checkpoint hours later.
     # Each may be a local folder or a gs:// or s3:// URL (storage.py).
@@ -96,7 +94,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     seed = set_determinism(job_config.debug.seed, job_config.debug.deterministic)
 
     # Tokenizer and data: each host loads its share of the global batch.
-    tokenizer = build_tokenizer(job_config.model.tokenizer_path)
+    tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     # Batches arrive on the mesh, sharded over the batch axes and prefetched in the background;
     # with several hosts each one holds only its slice of the batch dimension.
     data_loader = build_data_loader(
@@ -179,7 +177,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         raise ConfigError("[eval] at_end = true runs on one host only; evaluate the saved checkpoint "
                           "with python -m torchtitan_xla.eval")
 
-    # Inputs are all checked by now: only from here on does the run write anything.
+    # Inputs are all checked by now: the config is shown once it is known to start, and only from
+    # here on does the run write anything.
+    if job_config.job.print_config:
+        logger.info("Effective config:\n" + job_config.to_toml())
     makedirs(dump_folder)
     write_text(join(dump_folder, "config.toml"), job_config.to_toml())
     # SIGTERM stops the run after a step every host agrees on, with a checkpoint of that step.
@@ -312,7 +313,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
 
 def cli() -> None:
-    main(parse_args())
+    job_config = parse_args()
+    with attributed(job_config):  # an error names the file or flag that set its key
+        main(job_config)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_xla.plan.calibrate import grid_point  # noqa: E402
+from torchtitan_xla.plan.calibrate import calibration_shape, grid_point  # noqa: E402
 
 POLICIES = ("none", "full", "op", "every-2")
 MESHES = {1: ["1"], 8: ["fsdp8", "fsdp4tp2", "hsdp2x4"]}
@@ -86,7 +86,7 @@ def fit(paths: list[Path]) -> None:
     from torchtitan_xla.plan import memory
 
     rows = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
-    shapes = [memory.calibration_shape(r) for r in rows]
+    shapes = [calibration_shape(r) for r in rows]
     keep = [(r, (s, pb)) for r, (s, pb) in zip(rows, shapes) if not r.get("replicate")
             and not {(r["mesh"], s.attention), (r["mesh"], s.chunk > 0)} & KNOWN_GATHERS]
     rows, shapes = [r for r, _ in keep], [s for _, s in keep]

@@ -5,7 +5,9 @@
 Put the result at `<dump_folder>/<checkpoint.folder>/step-0` and enable checkpointing: training
 starts from these weights (a seed checkpoint). Alternatively load HF weights directly at start with
 `--checkpoint.initial_load_path DIR --checkpoint.initial_load_in_hf`.
-Runs on the CPU; the model arguments are read from the HF config.json.
+Runs on the CPU; the model arguments are read from the HF config.json (max_position_embeddings as
+the context length, Mixtral's router_aux_loss_coef as aux_loss_weight: convert_to_hf.py writes them
+back; a run from the step folder takes its aux loss weight from [moe], as every run does).
 """
 
 import argparse

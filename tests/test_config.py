@@ -65,8 +65,8 @@ def test_effective_config_round_trips_through_toml(tmp_path):
 def test_help_lists_every_option_with_type_default_and_help():
     out = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for section, cls in cm._sections().items():
-        for key, (tp, f) in cm._fields(cls).items():
+    for section, cls in cm.sections().items():
+        for key, (tp, f) in cm.fields_of(cls).items():
             line = f"--{section}.{key} {cm.type_name(tp)}  (default: {reference._default_text(f)})"
             assert line in out
             assert f.metadata["help"] in out
@@ -124,18 +124,42 @@ def test_bad_command_line_is_one_clear_error(argv, message):
         parse_args(argv)
 
 
+VALIDATION_TOML = "[validation]\nenable = true\ndataset_split = \"test\"\n"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--job.config_file", "missing.toml"], "error: config file not found: missing.toml"),
     (["--training.steps", "0"], "error: command line: --training.steps = 0: must be > 0"),
+    # Errors found while building the run name the flag, or the file and key, that set the value.
     (["--model.tokenizer_path", "/nonexistent/tok.model"],
-     "error: [model] tokenizer_path: file not found: /nonexistent/tok.model"),
+     "error: command line: --model.tokenizer_path: file not found: /nonexistent/tok.model; llama3's "
+     "tokenizer is original/tokenizer.model in the gated HuggingFace repository meta-llama/Llama-3.1-8B: "
+     "accept its licence at https://huggingface.co/meta-llama/Llama-3.1-8B, then run `python "
+     "scripts/download_tokenizer.py llama3 --out /nonexistent/tok.model` with HF_TOKEN set (README, "
+     "'Tokenizers')"),
     (["--training.dataset", "json", "--training.dataset_path", "/nonexistent/c4.json"],
-     "error: [training] dataset_path: not found: /nonexistent/c4.json"),
+     "error: command line: --training.dataset_path: not found: /nonexistent/c4.json"),
+    (["--validation.enable", "--validation.dataset_split", "test"],
+     "error: command line: --validation.dataset_split: python_docs has splits train and validation, "
+     "not 'test'"),
+    (["--job.config_file", VALIDATION_TOML],
+     "error: {toml}: [validation] dataset_split: python_docs has splits train and validation, not 'test'"),
+    (["--parallelism.tensor_parallel_degree", "2"],
+     "error: [parallelism] data_parallel_replicate_degree (1) x tensor_parallel_degree (2) = 2 does "
+     "not divide the 1 devices (tensor_parallel_degree from the command line)"),
     (["--loss.chunk_size", "3000"],
      "error: command line: --loss.chunk_size = 3000: must divide the tokens of one data-parallel "
      "rank per microbatch, local_batch_size x seq_len = 8 x 2048 = 16384"),
+    (["--lora.rank", "8", "--lora.target_modules", ""],
+     "error: command line: --lora.target_modules is empty with [lora] rank = 8: nothing would be "
+     "trained; name the layers that get adapters (wq, wk, wv, wo, w1, w2, w3), or set rank = 0 to "
+     "train every weight"),
 ])
 def test_train_py_reports_bad_input_in_one_line_with_exit_code_2(tmp_path, argv, message):
+    if "--job.config_file" in argv and argv[1].startswith("["):  # a TOML text: written to a file
+        toml = tmp_path / "job.toml"
+        toml.write_text(argv[1])
+        argv, message = ["--job.config_file", str(toml), *argv[2:]], message.format(toml=toml)
     dump = tmp_path / "out"
     p = subprocess.run([sys.executable, str(REPO / "train.py"), "--job.dump_folder", str(dump), *argv],
                        capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
@@ -143,4 +167,34 @@ def test_train_py_reports_bad_input_in_one_line_with_exit_code_2(tmp_path, argv,
     error_lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert error_lines == [message]
     assert "Traceback" not in p.stderr
+    # The effective config is shown only for a run that starts, not above its error line.
+    assert "Effective config" not in p.stderr + p.stdout
     assert not dump.exists()  # nothing written on bad input
+
+
+def test_errors_found_after_parsing_name_the_file_or_flag_of_their_key(tmp_path):
+    """Code that builds the run raises `[section] key: ...`; the entry points rewrite it into where
+    the value came from (config/sources.py), and name the origins of the other keys it mentions."""
+    from torchtitan_xla.config import attributed, renamed_keys
+
+    path = write(tmp_path, "[training]\nseq_len = 64\n[parallelism]\ntensor_parallel_degree = 4\n")
+    cfg = parse_args(["--job.config_file", path, "--training.local_batch_size", "3"])
+    cases = {
+        "[training] seq_len: too long": f"{path}: [training] seq_len: too long",
+        "[training] local_batch_size = 3: odd": "command line: --training.local_batch_size = 3: odd",
+        "[training] steps: a default": "[training] steps: a default",  # no file or flag to name
+        "[training] global_batch_size (16) must be a multiple of local_batch_size (3) x seq_len":
+            "[training] global_batch_size (16) must be a multiple of local_batch_size (3) x seq_len "
+            f"(local_batch_size from the command line; seq_len from {path})",
+        "config file not found: x.toml": "config file not found: x.toml",  # names no key
+    }
+    for raised, shown in cases.items():
+        with pytest.raises(ConfigError) as e, attributed(cfg):
+            raise ConfigError(raised)
+        assert str(e.value) == shown
+    # Values read through another section's keys are named by their own key.
+    cfg = parse_args(["--validation.dataset_split", "test"])
+    with pytest.raises(ConfigError) as e, attributed(cfg), renamed_keys(
+            {("training", "dataset_split"): ("validation", "dataset_split")}):
+        raise ConfigError("[training] dataset_split: no such split")
+    assert str(e.value) == "command line: --validation.dataset_split: no such split"

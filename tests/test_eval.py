@@ -25,6 +25,22 @@ MULTIPLE_CHOICE = [
     {"context": "A dictionary maps keys to", "choices": ["values", "lists of modules", "bytes"], "label": 0},
     {"context": "Strings in Python are", "choices": ["immutable", "mutable arrays of characters"], "label": 1},
 ]
+# Context shapes where BPE merges across the context's end once its trailing whitespace moves to the
+# continuation (":\n" and ".\n" are one token here): lm-eval scores the context's own encoding.
+SHAPED_CHOICE = [
+    {"context": "Question: which keyword defines a function?\nAnswer:\n", "choices": ["def", "class", "lambda"], "label": 0},
+    {"context": "Question: is a tuple mutable?\n", "choices": ["no", "yes"], "label": 0},
+    {"context": "A module is a file of Python code.\n", "choices": ["Packages hold modules", ".py files", "(a) bytes"], "label": 0},
+    {"context": "The statement that leaves a loop early is ", "choices": ["break", "continue", "pass"], "label": 0},
+    {"context": "", "choices": ["def", ", then", "\nAnswer:"], "label": 0},
+    {"context": "Note:", "choices": ["\nno", "... and so on", ": yes"], "label": 0},
+    # longer than seq_len (64) tokens: the left end is cut, as lm-eval cuts it
+    {"context": ". ".join(SENTENCES) + ".\nAnswer:\n", "choices": ["yes", "no"], "label": 0},
+]
+SHAPED_LAMBADA = ["Question: what ends an indented block?\n dedent",
+                  "The statement that defines a function:\n def", "Files of Python code are modules.\n Packages"]
+SHAPED_DOCUMENTS = ["\n" + SENTENCES[1], ":\nAnswer:\n def", "?\n" + ". ".join(SENTENCES * 2)]
+LL_TOLERANCE = {"rel": 1e-4, "abs": 1e-4}  # float32 on XLA against float32 in torch (docs/evaluation.md)
 
 
 def _lines(docs):
@@ -36,10 +52,11 @@ def task_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tasks")
     files = {"multiple_choice": folder / "mc.jsonl", "lambada": folder / "lambada.jsonl",
              "perplexity": folder / "ppl.jsonl"}
-    files["multiple_choice"].write_text(_lines(MULTIPLE_CHOICE))
-    files["lambada"].write_text(_lines({"text": s} for s in SENTENCES))
-    # The last document is longer than seq_len (64) tokens: it is scored in several windows.
-    files["perplexity"].write_text(_lines([{"text": SENTENCES[0]}, {"text": ". ".join(SENTENCES * 3)}]))
+    files["multiple_choice"].write_text(_lines(MULTIPLE_CHOICE + SHAPED_CHOICE))
+    files["lambada"].write_text(_lines({"text": s} for s in SENTENCES + SHAPED_LAMBADA))
+    # The second document is longer than seq_len (64) tokens: it is scored in several windows.
+    files["perplexity"].write_text(_lines([{"text": SENTENCES[0]}, {"text": ". ".join(SENTENCES * 3)}]
+                                          + [{"text": d} for d in SHAPED_DOCUMENTS]))
     return files
 
 
@@ -61,7 +78,7 @@ from lm_eval.tasks import TaskManager
 
 hf_dir, include = sys.argv[1:3]
 manager = TaskManager(include_path=include)
-out = {}
+out = {"arguments": {}}
 for tasks, bos in ((["tx_mc", "tx_lambada"], None), (["tx_ppl"], False)):
     lm = HFLM(pretrained=hf_dir, dtype="float32", max_length=64, batch_size=4, device="cpu",
               add_bos_token=bos)
@@ -70,6 +87,7 @@ for tasks, bos in ((["tx_mc", "tx_lambada"], None), (["tx_ppl"], False)):
     for task in tasks:
         samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
         out[task] = [res["results"][task], [s["filtered_resps"] for s in samples]]
+        out["arguments"][task] = [a for s in samples for a in s["arguments"]]
 print("LM_EVAL " + json.dumps(out, default=float))
 """
 
@@ -113,6 +131,68 @@ def _lm_eval(hf_dir, task_files, tmp_path):
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("LM_EVAL "))[8:])
 
 
+_LM_EVAL_TOKENS = """
+import json, sys
+from types import SimpleNamespace
+from lm_eval.api.model import LM
+from lm_eval.models.huggingface import HFLM
+from transformers import AutoTokenizer
+
+hf_dir, max_length, pairs, documents = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:5])
+lm = HFLM.__new__(HFLM)  # lm-eval's own loglikelihood(_rolling) and tok_encode, without a model
+LM.__init__(lm)
+lm.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+lm.add_bos_token, lm.custom_prefix_token_id, lm.enable_thinking = None, None, False
+lm._max_length, lm.batch_size_per_gpu = max_length, 1
+seen = []
+lm._loglikelihood_tokens = lambda requests, **kw: seen.extend(requests) or [(0.0, False)] * len(requests)
+lm.loglikelihood([SimpleNamespace(args=tuple(p)) for p in pairs], disable_tqdm=True)
+out = {"pairs": [[c, x] for _, c, x in seen], "windows": []}
+lm.add_bos_token = False  # as the perplexity comparison runs it
+for text in documents:
+    seen.clear()
+    lm.loglikelihood_rolling([SimpleNamespace(args=(text,))], disable_tqdm=True)
+    out["windows"].append([[c, x] for _, c, x in seen])
+print("TOKENS " + json.dumps(out))
+"""
+
+
+def test_pair_tokens_and_rolling_windows_equal_lm_evals_tokens(tmp_path):
+    """lm-eval's own encoding code (HFLM.loglikelihood / loglikelihood_rolling up to the model) on
+    the exported tokenizer: our token sequences and scored counts are its context + continuation
+    tokens, exactly, on the shapes of issue 35 (no model: a tokenizer-only check)."""
+    pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    from torchtitan_xla.datasets import build_tokenizer
+    from torchtitan_xla.eval.scorer import Scorer, pair_tokens, rolling_windows
+
+    tokenizer = build_tokenizer("")
+    tokenizer.save_pretrained(tmp_path)
+    pairs = [(c, " " + x) for d in MULTIPLE_CHOICE + SHAPED_CHOICE for c in [d["context"]] for x in d["choices"]]
+    pairs += [("Answer:\n", "yes"), ("Answer:", "\n yes"), ("Answer:", ":\n yes"), ("Is it?\n", "\nno"),
+              ("x =", "\n ("), ("a.", ".py"), ("Options:\n \n", "no"), ("a b  ", "c"), ("  ", " yes"),
+              ("", "\nAnswer:"), ("", ", then"), ("", "."), ("Result:", ", then")]
+    documents = [SENTENCES[0], *SHAPED_DOCUMENTS, ".", "\n", "a b c d e f g h", ". ".join(SENTENCES)]
+    max_length = 8  # short windows: several per document, contexts cut on the left
+    p = subprocess.run([sys.executable, "-c", _LM_EVAL_TOKENS, str(tmp_path), str(max_length),
+                        json.dumps(pairs), json.dumps(documents)], capture_output=True, text=True, timeout=300,
+                       env=_env(1, {"HF_HUB_OFFLINE": "1"}))
+    assert p.returncode == 0, p.stderr[-3000:]
+    theirs = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("TOKENS "))[7:])
+    cut = SimpleNamespace(seq_len=max_length)  # Scorer._truncate's one attribute
+    for (context, continuation), (context_enc, continuation_enc) in zip(pairs, theirs["pairs"], strict=True):
+        tokens, n = pair_tokens(tokenizer, context, continuation)
+        assert (tokens, n) == (context_enc + continuation_enc, len(continuation_enc)), (context, continuation)
+        # lm-eval's _loglikelihood_tokens: (context_enc + continuation_enc)[-(max_length + 1):]
+        assert Scorer._truncate(cut, tokens, n) == (tokens[-(max_length + 1):], n)
+    with pytest.raises(ValueError, match="no tokens of its own"):  # lm-eval asserts on it
+        pair_tokens(tokenizer, "Answer:", "")
+    for text, windows in zip(documents, theirs["windows"], strict=True):
+        ours = rolling_windows(tokenizer.encode(text, bos=False, eos=False), tokenizer.bos_id, max_length)
+        assert ours == [(c + x, len(x)) for c, x in windows], text
+
+
 @pytest.fixture(scope="module")
 def both(straight, task_files, tmp_path_factory):
     folder, _, _ = straight
@@ -127,7 +207,7 @@ def test_multiple_choice_and_lambada_equal_lm_eval(both):
     mc_metrics, mc_samples = reference["tx_mc"]
     ours_mc = ours["samples"]["multiple_choice:mc.jsonl"]
     reference_lls = [float(ll) for doc in mc_samples for ll, _ in doc]
-    assert len(ours_mc) == len(reference_lls) == sum(len(d["choices"]) for d in MULTIPLE_CHOICE)
+    assert len(ours_mc) == len(reference_lls) == sum(len(d["choices"]) for d in MULTIPLE_CHOICE + SHAPED_CHOICE)
     for (ll, _), want in zip(ours_mc, reference_lls):  # float32 on XLA against float32 in torch
         assert ll == pytest.approx(want, rel=1e-4, abs=1e-4)
     for metric in ("acc", "acc_norm"):  # identical choices
@@ -151,6 +231,34 @@ def test_rolling_perplexity_equals_lm_eval(both):
     results = ours["results"]["perplexity:ppl.jsonl"]
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         assert results[metric] == pytest.approx(ppl_metrics[f"{metric},none"], rel=1e-4), metric
+
+
+def test_context_shapes_equal_lm_eval_per_request(both, task_files):
+    """Contexts ending in "\\n", ":\\n", "?\\n", ".\\n", a space or empty, continuations starting with
+    punctuation or a newline (issue 35): lm-eval's requests, and per request its log-likelihoods
+    (LL_TOLERANCE) and greedy flags; some requests' contexts must not encode to a prefix of the whole."""
+    from torchtitan_xla.datasets import build_tokenizer
+    from torchtitan_xla.eval import parse_task
+    from torchtitan_xla.eval.tasks import requests
+
+    ours, _, reference = both
+    tokenizer = build_tokenizer("")
+    for kind, task in (("multiple_choice", "tx_mc"), ("lambada", "tx_lambada"), ("perplexity", "tx_ppl")):
+        asked = requests(parse_task(f"{kind}:{task_files[kind]}"))
+        if kind == "perplexity":
+            assert [(text,) for _, text in asked] == [tuple(a) for a in reference["arguments"][task]]
+            continue
+        assert asked == [tuple(a) for a in reference["arguments"][task]]  # the same requests
+        merged = 0
+        for context, continuation in asked:
+            own = tokenizer.encode(context.rstrip(), bos=True, eos=False)
+            merged += tokenizer.encode(context + continuation, bos=True, eos=False)[:len(own)] != own
+        assert merged >= 2, kind  # the case of the issue is among them
+        theirs = [r for doc in reference[task][1] for r in doc]
+        for request, (ll, greedy), (want, want_greedy) in zip(asked, ours["samples"][f"{kind}:{task_files[kind].name}"],
+                                                              theirs, strict=True):
+            assert ll == pytest.approx(float(want), **LL_TOLERANCE), request
+            assert greedy == bool(want_greedy), request
 
 
 def test_console_table_and_the_checkpoint_on_fsdp4_tp2_give_the_same_scores(both, straight, task_files, tmp_path):
@@ -180,9 +288,12 @@ def test_malformed_task_line_is_one_line_with_file_and_line(tmp_path, content, m
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--eval.tasks", "multiple_choice:/nonexistent/mc.jsonl"], r"error: \[eval\] tasks: .*no such file /nonexistent/mc.jsonl"),
-    (["--eval.tasks", "trivia:x.jsonl"], r"error: \[eval\] tasks: 'trivia:x.jsonl': expected kind:path"),
-    (["--eval.checkpoint", "/nonexistent/step-9"], r"error: \[eval\] checkpoint: /nonexistent/step-9: no such folder"),
+    # Each names the flag that set the value (the eval's own entry point attributes its errors).
+    (["--eval.tasks", "multiple_choice:/nonexistent/mc.jsonl"],
+     r"error: command line: --eval.tasks: .*no such file /nonexistent/mc.jsonl$"),
+    (["--eval.tasks", "trivia:x.jsonl"], r"error: command line: --eval.tasks: 'trivia:x.jsonl': expected kind:path"),
+    (["--eval.checkpoint", "/nonexistent/step-9"],
+     r"error: command line: --eval.checkpoint: /nonexistent/step-9: no such folder"),
 ])
 def test_bad_eval_input_is_one_line_exit_2(tmp_path, task_files, flags, message):
     args = [*tiny_args(tmp_path), "--eval.tasks", f"lambada:{task_files['lambada']}",

@@ -269,11 +269,11 @@ def test_no_eligible_layer_stops_train_py_with_one_line_before_compiling(tmp_pat
                   env=env)
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == ["error: [float8] enable_float8_linear = true but no linear layer is eligible: "
+    assert errors == ["error: command line: --float8.enable_float8_linear = true but no linear layer is eligible: "
                       "layers.*.attention.wq, layers.*.attention.wk, layers.*.attention.wv, "
                       "layers.*.attention.wo (filter_fqns 'attention'); layers.*.feed_forward.w1, "
                       "layers.*.feed_forward.w2, layers.*.feed_forward.w3 (filter_fqns 'feed_forward'); "
-                      "output (output projection kept in high precision)"]
+                      "output (output projection kept in high precision) (filter_fqns from the command line)"]
     assert "Traceback" not in p.stderr
     assert "Compilation Analysis" not in p.stderr + p.stdout
     assert not (tmp_path / "o").exists()  # nothing written

@@ -83,3 +83,42 @@ def test_convert_to_hf_script_matches_the_in_training_export(straight, tmp_path)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in exported.iterdir())
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (exported / name).read_bytes(), name
+
+
+def test_exported_config_gives_the_flavors_context_not_the_training_seq_len(straight):
+    """The run trained the llama3 debug model at seq_len 64, which sizes only its RoPE tables:
+    config.json's max_position_embeddings is the flavor's max_seq_len, its RoPE the flavor's, and
+    reading it back (convert_from_hf, initial_load_in_hf) gives that context length again."""
+    from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
+    from torchtitan_xla.models import get_model_args
+
+    folder, _, _ = straight
+    config = json.loads((folder / "checkpoint" / "step-6-hf" / "config.json").read_text())
+    flavor = get_model_args("llama3", "debugmodel")
+    _, trained = read_model_state(folder / "checkpoint" / "step-6")
+    assert trained.max_seq_len == 64  # the training seq_len (tiny_args)
+    assert config["max_position_embeddings"] == flavor.max_seq_len == 2048
+    assert config["rope_theta"] == flavor.rope_theta and "rope_scaling" not in config
+    assert "router_aux_loss_coef" not in config and "output_router_logits" not in config  # dense
+    back = model_args_from_hf_config(config)
+    assert (back.max_seq_len, back.context_len, trained.context_len) == (2048, 2048, 2048)
+
+
+def test_flavor_exports_carry_the_published_context_and_rope():
+    """Llama 3.1 8B trained at seq_len 8192 exports Llama-3.1-8B's config.json values (131072
+    positions, the llama3 RoPE scaling, which depends on original_max_position_embeddings and not
+    on max_position_embeddings); a model trained past its flavor's context says what it saw."""
+    from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
+    from torchtitan_xla.models import get_model_args
+    from torchtitan_xla.models.llama.state_dict_adapter import hf_config
+
+    config = hf_config(get_model_args("llama3", "8B", vocab_size=128256, max_seq_len=8192))
+    assert (config["max_position_embeddings"], config["rope_theta"], config["intermediate_size"]) == (
+        131072, 500000, 14336)
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert model_args_from_hf_config(config).context_len == 131072
+    assert hf_config(get_model_args("llama2", "7B", vocab_size=32000, max_seq_len=1024))[
+        "max_position_embeddings"] == 4096
+    long = hf_config(get_model_args("llama3", "debugmodel", vocab_size=300, max_seq_len=4096))
+    assert long["max_position_embeddings"] == 4096  # trained on positions past the flavor's 2048

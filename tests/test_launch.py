@@ -283,10 +283,19 @@ def test_dry_run_single_host_on_cpu():
      "error: inconsistent host counts: NNODES=2, but the Slurm allocation has 3 node(s)"),
     (["--parallelism.num_slices", "2", "--parallelism.data_parallel_replicate_degree", "2"],
      slurm_step(3, "n[1-3]", 0),
-     "error: [parallelism] num_slices = 2, but the job has 3 host(s) (Slurm): expected a multiple "
-     "of 2 hosts, the same number per slice"),
+     "error: command line: --parallelism.num_slices = 2, but the job has 3 host(s) (Slurm): expected "
+     "a multiple of 2 hosts, the same number per slice"),
 ])
 def test_bad_input_stops_run_train_with_one_line(args, env, message, tmp_path):
     p = run_script(["--job.dump_folder", str(tmp_path / "out"), *args], {"PJRT_DEVICE": "CPU", **env})
     assert (p.returncode, p.stdout, p.stderr) == (2, "", message + "\n")
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["--training.steps", "3", "--help"], ["--plan", "--help"],
+                                  ["--dry-run", "-h"]])
+def test_help_through_run_train_lists_every_option_and_exits_0(args):
+    """The help is printed by the program that reads the options (was eval'd by the launcher: exit 127)."""
+    p = run_script(args, {"PJRT_DEVICE": "CPU"})
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    assert p.stdout.startswith("usage:") and "--training.steps int  (default: 10000)" in p.stdout

@@ -3,11 +3,15 @@ folder peft loads, the merged HF model), and training that touches only the adap
 device and on fsdp x tp, from an exported HF checkpoint."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_helpers import TWO_BLOCKS
-from helpers import tiny_args, train_many
+from helpers import REPO, tiny_args, train_many
 
 from torchtitan_xla.checkpoint import read_model_state
 from torchtitan_xla.config.job_config import LoRA
@@ -111,8 +115,10 @@ LORA_ARGS = ["--training.dataset", "python_docs_chat", "--training.seq_len", "25
 
 
 def _from_hf(straight) -> list[str]:
+    """The shared run's HF export, relative to the working directory (which the training process
+    inherits), as a user types it: the PEFT export must still name it absolutely."""
     folder, _, _ = straight
-    return ["--checkpoint.initial_load_path", str(folder / "checkpoint" / "step-6-hf"),
+    return ["--checkpoint.initial_load_path", os.path.relpath(folder / "checkpoint" / "step-6-hf"),
             "--checkpoint.initial_load_in_hf"]
 
 
@@ -190,6 +196,46 @@ def test_lora_exports_a_peft_folder_and_merged_weights_after_training(lora_runs)
         assert torch.equal(merged[k], v), k
 
 
+def test_the_peft_export_loads_with_its_base_from_any_working_directory(lora_runs, straight, tmp_path,
+                                                                       monkeypatch):
+    """adapter_config.json names the HF folder the run started from (given relative) by its
+    absolute path: AutoPeftModelForCausalLM loads the adapter folder alone from another working
+    directory, and computes the merged export's logits."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = lora_runs["1 device"]
+    adapter_dir = folder / "checkpoint" / "step-5-peft"
+    monkeypatch.chdir(tmp_path)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = config["base_model_name_or_path"]
+    assert Path(base).is_absolute() and Path(base).is_dir(), base
+    assert Path(base).samefile(straight[0] / "checkpoint" / "step-6-hf")
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8.0, 0.0)  # LORA_ARGS
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(folder / "checkpoint" / "step-5-hf")).eval()
+    tokens = torch.randint(0, 2256, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # float32: W x + (alpha/r) B A x against (W + (alpha/r) B A, folded in float64) x (measured 1.2e-6).
+        torch.testing.assert_close(adapted(tokens).logits, merged(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_convert_to_hf_writes_the_training_exports_peft_config(lora_runs, straight, tmp_path):
+    """scripts/convert_to_hf.py --peft with --base-model (relative to its working directory)
+    writes the adapter_config.json the run wrote, the base's absolute path included."""
+    folder, _ = lora_runs["1 device"]
+    base = os.path.relpath(straight[0] / "checkpoint" / "step-6-hf", tmp_path)
+    p = subprocess.run([sys.executable, str(REPO / "scripts/convert_to_hf.py"),
+                        str(folder / "checkpoint" / "step-5"), "hf", "--tokenizer", "", "--peft", "peft",
+                        "--base-model", base],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert written == json.loads((folder / "checkpoint" / "step-5-peft" / "adapter_config.json").read_text())
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (folder / "checkpoint" / "step-5-hf" /
+                                                               "config.json").read_bytes()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lora.target_modules", "wq,q_proj"],
      "command line: --lora.target_modules: expected one of wq, wk, wv, wo, w1, w2, w3, got 'q_proj'"),
@@ -216,7 +262,8 @@ def test_a_lora_checkpoint_as_initial_weights_is_one_line(lora_runs, tmp_path):
                             "--lora.rank", "4"), env=None)
     assert r.returncode == 2 and r.losses == {}
     assert r.stderr.strip().splitlines()[-1] == (
-        f"error: [checkpoint] initial_load_path: {folder / 'checkpoint' / 'step-5'} holds LoRA adapters; "
+        f"error: command line: --checkpoint.initial_load_path: {folder / 'checkpoint' / 'step-5'} holds "
+        f"LoRA adapters; "
         f"start from its merged weights instead (scripts/convert_to_hf.py, then initial_load_in_hf = true), "
         f"or resume it as a checkpoint")
 

@@ -69,3 +69,34 @@ def test_cosine_with_warmup_is_the_cosine_decay_over_every_step_after_warmup():
     assert f[warmup:] == pytest.approx(
         [floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (k + 1) / (decay + 1))) for k in range(decay)],
         rel=1e-12)
+
+
+def test_warmup_longer_than_the_run_is_cut_with_one_warning_naming_its_source(tmp_path):
+    """warmup_steps > training.steps warms up over the whole run, and says so once at start,
+    naming the file or flag of each key (docs/optimizers.md)."""
+    import logging
+
+    import torch
+
+    from torchtitan_xla.logging import logger
+    from torchtitan_xla.optimizer import build_lr_scheduler
+
+    toml = tmp_path / "job.toml"
+    toml.write_text("[lr_scheduler]\nwarmup_steps = 200\n")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        for argv in (["--job.config_file", str(toml), "--training.steps", "10"],
+                     ["--job.config_file", str(toml), "--training.steps", "200"]):
+            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+            sched = build_lr_scheduler(opt, parse_args(argv))
+    finally:
+        logger.removeHandler(handler)
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert warnings == [f"{toml}: [lr_scheduler] warmup_steps = 200 exceeds command line: "
+                        f"--training.steps = 10: warming up over all 10 steps instead (the lr stays "
+                        f"below its peak)"]  # and none for the 200-step run
+    assert sched.get_last_lr()[0] == pytest.approx(1 / 201)
+    assert factors(10, 200) == pytest.approx([(s + 1) / 11 for s in range(10)])

@@ -180,6 +180,37 @@ def test_logits_match_transformers_mixtral_float64(tmp_path, monkeypatch):
     assert not math.isclose(out.aux_loss.item(), torch.stack(stats)[:, 0].mean().item(), rel_tol=1e-4)
 
 
+def test_the_training_export_has_the_runs_aux_weight_and_the_flavors_context(tmp_path):
+    """A Mixtral run with [moe] aux_loss_weight 0.03 at seq_len 64, exported after its last step:
+    config.json's router_aux_loss_coef is 0.03 with output_router_logits on (transformers adds
+    the balancing loss only then), max_position_embeddings the flavor's context, and the folder
+    gives the checkpoint's logits in transformers."""
+    from helpers import tiny_args, train_run
+    from transformers import MixtralForCausalLM
+
+    from torchtitan_xla.checkpoint import read_model_state
+
+    train_run(tiny_args(tmp_path, "--model.name", "mixtral", "--training.steps", "1", "--moe.aux_loss_weight",
+                        "0.03", "--checkpoint.enable", "--checkpoint.last_save_in_hf"),
+              model_overrides={"n_layers": 2})
+    hf_dir = tmp_path / "checkpoint" / "step-1-hf"
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert (config["router_aux_loss_coef"], config["output_router_logits"]) == (0.03, True)
+    assert config["max_position_embeddings"] == get_model_args("mixtral", "debugmodel").max_seq_len == 2048
+    assert (config["rope_theta"], config["num_hidden_layers"], config["router_jitter_noise"]) == (1e6, 2, 0.0)
+    state, args = read_model_state(tmp_path / "checkpoint" / "step-1")
+    assert (args.max_seq_len, args.aux_loss_weight) == (64, 0.03)
+    ours = Transformer(args)
+    ours.load_state_dict(state)
+    hf = MixtralForCausalLM.from_pretrained(str(hf_dir), attn_implementation="sdpa").eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = hf(tokens)
+        # float32 on both sides: summation order and RoPE angle precision (measured 1.2e-6).
+        torch.testing.assert_close(ours(tokens), out.logits, rtol=0, atol=1e-5)
+    assert out.aux_loss is not None  # the config's output_router_logits: transformers computes it
+
+
 # ---- router losses --------------------------------------------------------------------------------
 
 
@@ -407,9 +438,14 @@ def test_mixtral_8x7b_config_json_gives_the_8x7b_flavor():
     from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
     from torchtitan_xla.errors import ConfigError
 
-    cfg = transformers.MixtralConfig(max_position_embeddings=32768).to_dict()
+    # The published config.json's values where they are not MixtralConfig's defaults.
+    cfg = transformers.MixtralConfig(max_position_embeddings=32768, router_aux_loss_coef=0.02).to_dict()
     assert cfg["head_dim"] is None and "rope_theta" not in cfg
     assert model_args_from_hf_config(cfg) == get_model_args("mixtral", "8x7B", vocab_size=32000, max_seq_len=32768)
+    big = transformers.MixtralConfig(hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+                                     num_attention_heads=48, max_position_embeddings=65536,
+                                     router_aux_loss_coef=0.001).to_dict()
+    assert model_args_from_hf_config(big) == get_model_args("mixtral", "8x22B", vocab_size=32000, max_seq_len=65536)
     with pytest.raises(ConfigError, match="sliding_window"):
         model_args_from_hf_config({**cfg, "sliding_window": 4096})
 
@@ -458,10 +494,12 @@ def test_flavors_and_args():
 
     from torchtitan_xla.models import moe_overrides
 
-    section = SimpleNamespace(num_experts=4, top_k=0, moe_every=2, capacity_factor=0.0)
-    assert moe_overrides(section) == {"num_experts": 4, "moe_every": 2}  # 0: the flavor's
+    section = SimpleNamespace(num_experts=4, top_k=0, moe_every=2, capacity_factor=0.0, aux_loss_weight=0.0)
+    # 0: the flavor's, except the aux loss's weight, for which 0 is a weight like any other.
+    assert moe_overrides(section) == {"num_experts": 4, "moe_every": 2, "aux_loss_weight": 0.0}
     glam = get_model_args("llama3", "debugmodel", **moe_overrides(section))
     assert (glam.num_experts, glam.top_k, glam.moe_every, glam.expert_hidden_dim) == (4, 2, 2, 768)
+    assert get_model_args("llama3", "debugmodel", aux_loss_weight=0.5).aux_loss_weight == 0.0  # no router
     with pytest.raises(ValueError, match="top_k"):
         get_model_args("mixtral", "debugmodel", top_k=9)
     with pytest.raises(ValueError, match="moe_every"):

@@ -266,15 +266,20 @@ def test_bad_parallelism_options(argv, message):
         parse_args(argv)
 
 
+DEBUG_TOML = REPO / "train_configs" / "debug_model.toml"
+
+
+# Each names where its keys were set: the recipe's file, or the command line.
 @pytest.mark.parametrize("argv,devices,message", [
     ([P + "data_parallel_shard_degree", "3"], 8,
-     "error: [parallelism] data_parallel_replicate_degree (1) x data_parallel_shard_degree (3) x "
-     "tensor_parallel_degree (1) = 3, but there are 8 devices"),
+     f"error: {DEBUG_TOML}: [parallelism] data_parallel_replicate_degree (1) x data_parallel_shard_degree "
+     f"(3) x tensor_parallel_degree (1) = 3, but there are 8 devices (data_parallel_shard_degree from "
+     f"the command line; tensor_parallel_degree from {DEBUG_TOML})"),
     ([P + "tensor_parallel_degree", "3", "--training.seq_len", "48"], 6,
-     "error: [parallelism] tensor_parallel_degree (3) must divide the model's n_heads (16)"),
+     "error: command line: --parallelism.tensor_parallel_degree (3) must divide the model's n_heads (16)"),
     (["--training.global_batch_size", "12"], 8,
-     "error: [training] global_batch_size (12) must be a multiple of local_batch_size (8) x "
-     "data-parallel degree (8) = 64"),
+     "error: command line: --training.global_batch_size (12) must be a multiple of local_batch_size (8) x "
+     f"data-parallel degree (8) = 64 (local_batch_size from {DEBUG_TOML})"),
 ])
 def test_bad_degrees_stop_train_py_before_compiling(tmp_path, argv, devices, message):
     import os

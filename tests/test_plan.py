@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO
 
 from torchtitan_xla.plan import memory
-from torchtitan_xla.plan.calibrate import audit_point, grid_point, measure
+from torchtitan_xla.plan.calibrate import audit_point, calibration_shape, grid_point, measure
 
 RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256",
            "llama3_70b": "v6e-256", "llama3_405b": "v5p-1024", "llama3_8b_sft": "v6e-64",
@@ -65,7 +65,7 @@ def test_activation_model_within_10_percent_of_the_compiler(compiled):
         if point is BROKEN:
             continue
         row, result = compiled[id(point)]
-        shape, parameter_bytes = memory.calibration_shape(row)
+        shape, parameter_bytes = calibration_shape(row)
         predicted = memory.temporaries(shape, parameter_bytes)
         errors.append((predicted / result["temp_bytes"] - 1, row["mesh"], shape))
     worst = max(errors, key=lambda e: abs(e[0]))
@@ -145,17 +145,20 @@ def test_plan_allocates_nothing_and_suggests_what_fits():
 
 
 @pytest.mark.parametrize("args, message", [
+    # Each error names where the bad value came from: the flag, or the file and key.
     (["--plan.tpu", "v9z-64"],
-     "error: train_configs/llama3_70b.toml: [plan] tpu = 'v9z-64': unknown TPU slice; expected"),
+     "error: command line: --plan.tpu = 'v9z-64': unknown TPU slice; expected"),
     (["--plan.tpu", "v5p-3"],
-     "error: train_configs/llama3_70b.toml: [plan] tpu = 'v5p-3': a v5p slice size counts TensorCores"),
+     "error: command line: --plan.tpu = 'v5p-3': a v5p slice size counts TensorCores"),
     (["--plan.tpu", "v5p-256", "--parallelism.num_slices", "2", "--parallelism.data_parallel_replicate_degree", "2"],
-     "error: train_configs/llama3_70b.toml: [parallelism] num_slices > 1: the plan covers one slice"),
+     "error: command line: --parallelism.num_slices = 2: the plan covers one slice"),
     (["--plan.tpu", "v5p-256", "--parallelism.data_parallel_shard_degree", "64"],
-     "error: train_configs/llama3_70b.toml on v5p-256 (128 chips, one device each): [parallelism] "
+     "error: train_configs/llama3_70b.toml: [parallelism] "
      "data_parallel_replicate_degree (1) x data_parallel_shard_degree (64) x tensor_parallel_degree "
-     "(4) = 256, but there are 128 devices"),
-    (["--plan.tpu", ""], "error: [plan] tpu is not set in train_configs/llama3_70b.toml"),
+     "(4) = 256, but there are 128 devices (on v5p-256: 128 chips, one device each) "
+     "(data_parallel_shard_degree from the command line; tensor_parallel_degree from "
+     "train_configs/llama3_70b.toml)"),
+    (["--plan.tpu", ""], "error: command line: --plan.tpu is not set"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     p = _plan("--job.config_file", "train_configs/llama3_70b.toml", *args)

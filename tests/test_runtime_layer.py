@@ -96,3 +96,47 @@ def test_another_torch_xla_release_gives_one_warning_line():
 def test_no_module_of_the_package_is_over_400_lines():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {p: n for p, n in sizes.items() if n > 400} == {}
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (at module level or inside a function);
+    `from pkg import sub` counts as importing pkg.sub."""
+    modules = {}
+    for p in PACKAGE.rglob("*.py"):
+        parts = p.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {m: set() for m in modules}
+    for m, p in modules.items():
+        package = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, *([node.module] if node.module else [])])
+                subs = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                graph[m] |= subs or ({target} & modules.keys())
+            elif isinstance(node, ast.Import):
+                graph[m] |= {a.name for a in node.names} & modules.keys()
+        graph[m].discard(m)
+    return graph
+
+
+def test_the_package_has_no_import_cycles():
+    """Each module can be read (and replaced) without the ones that import it."""
+    graph = _package_imports()
+    assert graph["torchtitan_xla.config.reference"] >= {"torchtitan_xla.config.schema"}  # edges are found
+    cycles, visiting, done = [], [], set()
+
+    def visit(m: str) -> None:
+        visiting.append(m)
+        for n in sorted(graph[m]):
+            if n in visiting:
+                cycles.append(visiting[visiting.index(n):] + [n])
+            elif n not in done:
+                visit(n)
+        visiting.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        if m not in done:
+            visit(m)
+    assert cycles == []

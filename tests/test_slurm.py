@@ -181,6 +181,6 @@ def test_an_allocation_that_does_not_fit_the_slices_stops_before_starting(slurm,
         "--parallelism.data_parallel_replicate_degree", "2"])
     assert (rc, state) == (2, "FAILED")
     assert batch_out.splitlines() == [
-        "error: [parallelism] num_slices = 2, but the job has 1 host(s) (Slurm): expected a "
-        "multiple of 2 hosts, the same number per slice"]
+        "error: command line: --parallelism.num_slices = 2, but the job has 1 host(s) (Slurm): "
+        "expected a multiple of 2 hosts, the same number per slice"]
     assert not tmp_path.joinpath("logs").exists()  # no node started

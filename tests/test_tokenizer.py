@@ -227,3 +227,60 @@ def test_sentencepiece_export_loads_in_auto_tokenizer(tmp_path):
 def test_the_real_llama3_file_exports_to_auto_tokenizer(tmp_path):
     pytest.importorskip("llama_models.llama3.tokenizer", exc_type=ImportError)
     _assert_hf_round_trip(build_tokenizer("llama3"), tmp_path / "hf")
+
+
+# ---- where the recipes' tokenizers come from -------------------------------------------------
+
+
+def test_a_missing_recipe_tokenizer_says_where_to_get_it():
+    """The recipes' tokenizer files are not in the repository: the error names the HuggingFace
+    repository, its file, the licence step and the download command, in one line."""
+    from helpers import REPO
+
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.datasets.tokenizer.hub import SOURCES
+
+    recipes = sorted((REPO / "train_configs").glob("*.toml"))
+    checked = 0
+    for recipe in recipes:
+        cfg = parse_args(["--job.config_file", str(recipe)])
+        path = cfg.model.tokenizer_path
+        if not path.startswith("./assets/"):
+            continue  # the debug recipes' own tokenizer
+        source = SOURCES[cfg.model.name]
+        if path.startswith("./assets/tokenizer/"):  # pre-training recipes: the download's default
+            assert path == source.default_path, recipe.name
+        with pytest.raises(ConfigError) as e:
+            build_tokenizer(f"/nonexistent{path[1:]}", cfg.model.name)
+        message = str(e.value)
+        assert "\n" not in message
+        assert message.startswith(f"[model] tokenizer_path: file not found: /nonexistent{path[1:]}; ")
+        for part in (source.repo, source.filename, f"accept its licence at {source.url}",
+                     f"python scripts/download_tokenizer.py {cfg.model.name} --out /nonexistent{path[1:]}"):
+            assert part in message, (recipe.name, part)
+        checked += 1
+    assert checked >= 6  # llama2, llama3 (8B, 70B, 405B, SFT, LoRA), mixtral
+
+
+def test_download_script_offline_is_one_line_and_writes_nothing(tmp_path):
+    """Tested by its error paths only: nothing downloads in tests (HF_HUB_OFFLINE)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    out = tmp_path / "tok" / "tokenizer.model"
+    script = str(REPO / "scripts" / "download_tokenizer.py")
+    p = subprocess.run([sys.executable, script, "llama3", "--out", str(out)], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert (p.returncode, p.stdout) == (1, "")
+    assert p.stderr == (f"error: cannot download original/tokenizer.model from meta-llama/Llama-3.1-8B: "
+                        f"the HuggingFace Hub is not reachable (HF_HUB_OFFLINE is set); download it on "
+                        f"a machine with network and copy it to {out}\n")
+    assert not out.parent.exists()
+    p = subprocess.run([sys.executable, script, "llama4"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1  # argparse's wording varies by Python
+    assert p.stderr.startswith("error: argument model: invalid choice: 'llama4' (choose from ")

@@ -136,11 +136,11 @@ def test_an_unwritable_output_folder_stops_the_run_before_step_1(tmp_path, key):
     blocker.write_text("not a folder")
     bad = blocker / "out"
     if key == "dump_folder":
-        extra, message = ["--job.dump_folder", str(bad)], f"[job] dump_folder: cannot write to {bad}"
+        extra, message = ["--job.dump_folder", str(bad)], f"command line: --job.dump_folder: cannot write to {bad}"
     else:
         extra = ["--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.enable",
                  "--checkpoint.folder", str(bad)]
-        message = f"[checkpoint] folder: cannot write to {bad}"
+        message = f"command line: --checkpoint.folder: cannot write to {bad}"
     run = run_train([*tiny_args(tmp_path / "dump"), *extra])
     assert run.returncode == 2, run.stderr[-2000:]
     assert [ln for ln in run.stderr.splitlines() if ln.startswith("error:")] == [

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_xla import runtime
-from torchtitan_xla.config import JobConfig
+from torchtitan_xla.config import JobConfig, renamed_keys
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
 from torchtitan_xla.losses import IGNORE_INDEX, LossFn
@@ -116,4 +116,7 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
 
     state = [*model.parameters(), *model.buffers()]  # read, never written
     compiled = runtime.build_step(job_config.compile.step, eval_step, state, name="eval_step")
-    return Validator(freq=v.freq, steps=v.steps, make_loader=make_loader, eval_step=compiled)
+    # The loader reads validation's data through [training]'s keys: its errors name [validation]'s.
+    own = {"dataset_split": True, "dataset": bool(v.dataset), "dataset_path": bool(v.dataset_path)}
+    with renamed_keys({("training", k): ("validation", k) for k, mine in own.items() if mine}):
+        return Validator(freq=v.freq, steps=v.steps, make_loader=make_loader, eval_step=compiled)

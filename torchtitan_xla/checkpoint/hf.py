@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
 
-from torchtitan_xla import runtime
+from torchtitan_xla import runtime, storage
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.lora import is_adapter, merge
 from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling
@@ -51,8 +52,10 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
         if cfg.get("sliding_window") is not None:
             raise ConfigError("config.json: sliding-window attention (sliding_window) is not supported")
         # Every block has experts of intermediate_size; top-k renormalised, dropless (Mixtral).
+        # (router_aux_loss_coef: transformers' default when the config leaves it out.)
         moe = dict(num_experts=cfg.get("num_local_experts", 8), top_k=cfg.get("num_experts_per_tok", 2),
-                   moe_hidden_dim=cfg["intermediate_size"])
+                   moe_hidden_dim=cfg["intermediate_size"],
+                   aux_loss_weight=cfg.get("router_aux_loss_coef", 0.001))
         # The dense FFN size (unused: every block has experts) is made intermediate_size as well;
         # rounding up to multiple_of alone cannot give a size below Llama's 8/3 dim.
         if cfg["intermediate_size"] < int(2 * 4 * dim / 3):
@@ -64,7 +67,7 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      n_kv_heads=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
                      multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=multiplier,
                      norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=rope_scaling,
-                     max_seq_len=cfg.get("max_position_embeddings", 2048), **moe)
+                     max_seq_len=cfg.get("max_position_embeddings", 2048), **moe)  # and context_len
 
 
 # ---- files ------------------------------------------------------------------------------------
@@ -132,16 +135,15 @@ def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) 
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | Path, *,
-              dtype: torch.dtype = torch.float32, tokenizer=None, lora: dict | None = None,
-              router_aux_loss_coef: float = 0.0) -> None:
+              dtype: torch.dtype = torch.float32, tokenizer=None, lora: dict | None = None) -> None:
     """Weights and config.json; with `tokenizer`, also its HF files and its BOS/EOS ids. A model
     with LoRA adapters (`lora`: the [lora] section as a dict) is exported merged, W + (alpha/r) B A.
-    A mixture-of-experts model is written as Mixtral, with `router_aux_loss_coef` in its config
-    (only experts in every block have a HuggingFace architecture: hf_config raises otherwise)."""
+    A mixture-of-experts model is written as Mixtral, with its training's aux_loss_weight as
+    router_aux_loss_coef (only experts in every block have a HuggingFace architecture: hf_config
+    raises otherwise). All but the token ids and the dtype come from `args` (hf_config)."""
     # The config first: a model transformers has no architecture for fails before any conversion.
     bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else (None, None)
-    config = hf_config(args, bos_id=bos, eos_id=eos, dtype=str(dtype).removeprefix("torch."),
-                       router_aux_loss_coef=router_aux_loss_coef)
+    config = hf_config(args, bos_id=bos, eos_id=eos, dtype=str(dtype).removeprefix("torch."))
     if lora is not None:
         state_dict = merge(state_dict, lora["alpha"])
     elif any(is_adapter(k) for k in state_dict):
@@ -152,13 +154,26 @@ def export_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, out_dir: str
         tokenizer.save_pretrained(out_dir)
 
 
+def base_model_reference(base_model: str | Path | None) -> str | None:
+    """adapter_config.json's base_model_name_or_path for the base weights `base_model`: a local
+    folder by its absolute path (peft resolves it from any working directory), a URL or a hub id as
+    given; None when there is no HF base (a run that did not start from an HF folder)."""
+    if not base_model:
+        return None
+    base_model = str(base_model)
+    if storage.is_url(base_model) or not os.path.isdir(base_model):  # not a folder here: a hub id
+        return base_model
+    return os.path.abspath(base_model)
+
+
 def export_peft(state_dict: dict[str, torch.Tensor], args: ModelArgs, lora: dict, out_dir: str | Path,
-                *, dtype: torch.dtype = torch.float32, base_model: str = "") -> None:
+                *, dtype: torch.dtype = torch.float32, base_model: str | Path | None = None) -> None:
     """The LoRA adapters of `state_dict` as a PEFT adapter folder, which
-    `peft.PeftModel.from_pretrained(<the base LlamaForCausalLM>, out_dir)` loads: the adapters under
-    HF module names in adapter_model.safetensors, and adapter_config.json. The config is written
-    here, not by peft's LoraConfig: peft is not a dependency of training (the tests load the
-    folder with peft)."""
+    `peft.PeftModel.from_pretrained(<the base LlamaForCausalLM>, out_dir)` loads, and with
+    `base_model` (the HF folder the base weights came from) `AutoPeftModelForCausalLM
+    .from_pretrained(out_dir)` alone: the adapters under HF module names in
+    adapter_model.safetensors, and adapter_config.json. The config is written here, not by peft's
+    LoraConfig: peft is not a dependency of training (the tests load the folder with peft)."""
     from safetensors.torch import save_file
 
     adapters = to_hf({k: v for k, v in state_dict.items() if is_adapter(k)}, args)
@@ -168,7 +183,8 @@ def export_peft(state_dict: dict[str, torch.Tensor], args: ModelArgs, lora: dict
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_reference(base_model),
         "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
         "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,

@@ -9,7 +9,7 @@ from torchtitan_xla.errors import ConfigError
 
 
 def check_combinations(cfg: JobConfig, sources) -> None:
-    """Keys that are valid alone but not together (`sources`: manager._Sources)."""
+    """Keys that are valid alone but not together (`sources`: config/sources.py)."""
     parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
     for part in cfg.checkpoint.exclude_from_loading:
         if part not in parts:
@@ -48,6 +48,12 @@ def check_combinations(cfg: JobConfig, sources) -> None:
         raise ConfigError(f"{sources.describe('validation', 'steps')} = 0: must be -1 (the whole "
                           f"split) or a number of batches > 0")
     lora = cfg.lora
+    if lora.rank and not lora.target_modules:
+        # LoRA freezes every base weight: with no target layer nothing would be left to train.
+        raise ConfigError(f"{sources.describe('lora', 'target_modules')} is empty with "
+                          f"[lora] rank = {lora.rank}: nothing would be trained; name the layers "
+                          f"that get adapters (wq, wk, wv, wo, w1, w2, w3), or set rank = 0 to "
+                          f"train every weight")
     if lora.rank and cfg.float8.enable_float8_linear:
         raise ConfigError(f"{sources.describe('lora', 'rank')} = {lora.rank}: LoRA cannot be combined "
                           f"with [float8] enable_float8_linear = true (adapters on float8 linears "

@@ -11,54 +11,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan_xla.config.checks import check_combinations
 from torchtitan_xla.config.job_config import JobConfig
+from torchtitan_xla.config.schema import fields_of, optional_inner, sections, type_name
+from torchtitan_xla.config.sources import COMMAND_LINE, Sources
 from torchtitan_xla.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-# --------------------------------------------------------------------------------------------
-# Schema helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _sections() -> dict[str, type]:
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
-
-
-def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
-    hints = typing.get_type_hints(section_cls, include_extras=True)
-    return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
-
-
-def _optional_inner(tp: Any) -> Any | None:
-    """The T in Optional[T], or None if `tp` is not optional."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0]
-    return None
-
-
-def type_name(tp: Any) -> str:
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return f"{type_name(inner)} (optional)"
-    if typing.get_origin(tp) is Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
-    if typing.get_origin(tp) is list:
-        return f"list[{type_name(typing.get_args(tp)[0])}]"
-    return tp.__name__
 
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:
@@ -72,7 +38,7 @@ _FALSE = {"false", "0", "no", "off"}
 
 def _from_toml(value: Any, tp: Any) -> Any:
     """Check a TOML value against the field type; raises ValueError with what was expected."""
-    inner = _optional_inner(tp)
+    inner = optional_inner(tp)
     if inner is not None:
         return _from_toml(value, inner)
     origin = typing.get_origin(tp)
@@ -105,7 +71,7 @@ def _from_toml(value: Any, tp: Any) -> Any:
 
 def _from_text(text: str, tp: Any) -> Any:
     """Parse a command-line string into the field type; raises ValueError."""
-    inner = _optional_inner(tp)
+    inner = optional_inner(tp)
     if inner is not None:
         return None if text.lower() in ("", "none", "null") else _from_text(text, inner)
     origin = typing.get_origin(tp)
@@ -154,22 +120,6 @@ def _check_bounds(value: Any, f: dataclasses.Field) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-class _Sources:
-    """Where each value came from, so an error can name the file or the command line."""
-
-    def __init__(self) -> None:
-        self._where: dict[tuple[str, str], str] = {}
-
-    def set(self, section: str, key: str, where: str) -> None:
-        self._where[(section, key)] = where
-
-    def describe(self, section: str, key: str) -> str:
-        where = self._where.get((section, key), "default")
-        if where == "command line":
-            return f"command line: --{section}.{key}"
-        return f"{where}: [{section}] {key}"
-
-
 def _load_toml(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
@@ -183,14 +133,14 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason})") from None
 
 
-def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str, sources: _Sources) -> None:
-    sections = _sections()
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str, sources: Sources) -> None:
+    known = sections()
     for sname, svalues in data.items():
-        if sname not in sections:
-            raise ConfigError(f"{path}: unknown section [{sname}]{_did_you_mean(sname, list(sections))}")
+        if sname not in known:
+            raise ConfigError(f"{path}: unknown section [{sname}]{_did_you_mean(sname, list(known))}")
         if not isinstance(svalues, dict):
             raise ConfigError(f"{path}: [{sname}] must be a table, got {svalues!r}")
-        fields = _fields(sections[sname])
+        fields = fields_of(known[sname])
         section = getattr(cfg, sname)
         for key, value in svalues.items():
             if key not in fields:
@@ -207,8 +157,8 @@ def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str, sources: _Sourc
 def _all_flags() -> dict[str, tuple[str, str, Any]]:
     """'section.key' -> (section, key, type) for every option."""
     out = {}
-    for sname, scls in _sections().items():
-        for key, (tp, _) in _fields(scls).items():
+    for sname, scls in sections().items():
+        for key, (tp, _) in fields_of(scls).items():
             out[f"{sname}.{key}"] = (sname, key, tp)
     return out
 
@@ -262,10 +212,10 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _validate(cfg: JobConfig, sources: _Sources) -> None:
-    for sname, scls in _sections().items():
+def _validate(cfg: JobConfig, sources: Sources) -> None:
+    for sname, scls in sections().items():
         section = getattr(cfg, sname)
-        for key, (_, f) in _fields(scls).items():
+        for key, (_, f) in fields_of(scls).items():
             problem = _check_bounds(getattr(section, key), f)
             if problem:
                 raise ConfigError(f"{sources.describe(sname, key)} = {getattr(section, key)!r}: {problem}")
@@ -282,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         raise SystemExit(0)
     pairs = _split_cli(argv)
     cfg = JobConfig()
-    sources = _Sources()
+    sources = Sources()
     config_file = next((v for f, v in pairs if f == "job.config_file"), None)
     if config_file:
         _apply_toml(cfg, _load_toml(config_file), config_file, sources)
@@ -294,8 +244,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         except ValueError as e:
             raise ConfigError(f"command line: --{flag}: {e}") from None
         setattr(getattr(cfg, sname), key, value)
-        sources.set(sname, key, "command line")
+        sources.set(sname, key, COMMAND_LINE)
     _validate(cfg, sources)
+    cfg._sources = sources  # for errors found after parsing (config/sources.py)
     return cfg
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchtitan_xla.config.manager import _fields, _sections, type_name
+from torchtitan_xla.config.schema import fields_of, sections, type_name
 
 
 def _default_text(f: dataclasses.Field) -> str:
@@ -31,9 +31,9 @@ def help_text() -> str:
         "Precedence: command line > TOML file > default. Booleans: --section.key, "
         "--section.no-key or --section.key false. Lists: a,b,c.",
     ]
-    for sname, scls in _sections().items():
+    for sname, scls in sections().items():
         lines += ["", f"[{sname}]"]
-        for key, (tp, f) in _fields(scls).items():
+        for key, (tp, f) in fields_of(scls).items():
             lines.append(f"  --{sname}.{key} {type_name(tp)}  (default: {_default_text(f)})")
             lines.append(f"      {f.metadata['help']}")
     return "\n".join(lines)
@@ -54,9 +54,9 @@ def markdown_reference() -> str:
         "A mistake (unknown section or key, wrong type, value out of range, missing file) stops",
         "the run with one line naming the file or flag, and exit code 2.",
     ]
-    for sname, scls in _sections().items():
+    for sname, scls in sections().items():
         out += ["", f"## [{sname}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        for key, (tp, f) in _fields(scls).items():
+        for key, (tp, f) in fields_of(scls).items():
             out.append(f"| `{key}` | {type_name(tp)} | `{_default_text(f)}` | {f.metadata['help']} |")
     out += ["", "## Model flavors", "", "| model.name | model.flavor |", "|---|---|"]
     for name, flavors in all_flavors().items():

@@ -42,12 +42,6 @@ if TYPE_CHECKING:
     from torchtitan_xla.datasets.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
-# The Llama 3 format as a transformers chat template (Jinja), written into exported tokenizers:
-# `apply_chat_template` then gives render()'s ids (tested on python_docs_chat).
-LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 SHAPE = ("a conversation is an optional system message, then user and assistant turns "
          "alternating, ending with the assistant's")
 

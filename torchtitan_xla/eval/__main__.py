@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on zero-shot tasks, on the mesh of the config:
 
     python -m torchtitan_xla.eval --job.config_file train_configs/debug_model.toml \\
-        --eval.checkpoint outputs/checkpoint/step-100 \\
+        --eval.checkpoint outputs/debug_model/checkpoint/step-200 \\
         --eval.tasks multiple_choice:boolq.jsonl,lambada:lambada.jsonl,perplexity:wiki.txt
 
 The model's shape comes from the weights (the checkpoint's model_args.json or the HF config.json);
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.config import JobConfig, attributed, parse_args
 from torchtitan_xla.errors import ConfigError, run_main
 
 
@@ -88,7 +88,7 @@ def main(job_config: JobConfig) -> dict:
     device = runtime.init_spmd()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     mesh = parallel_dims.build_mesh(runtime.device_type())
-    tokenizer = build_tokenizer(job_config.model.tokenizer_path)
+    tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim, model_args.num_experts)
@@ -111,7 +111,9 @@ def main(job_config: JobConfig) -> dict:
 
 
 def cli() -> None:
-    main(parse_args())
+    job_config = parse_args()
+    with attributed(job_config):  # an error names the file or flag that set its key
+        main(job_config)
 
 
 if __name__ == "__main__":

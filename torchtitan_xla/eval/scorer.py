@@ -1,9 +1,12 @@
 """Log-likelihoods of text continuations under the model, in one compiled graph of fixed shape
-[batch_size, seq_len] (the last batch is padded), tokenised as lm-evaluation-harness does:
+[batch_size, seq_len] (the last batch is padded), tokenised as lm-evaluation-harness (0.4) does
+with its HF model and a tokenizer that adds BOS (Llama's):
 
-- a (context, continuation) pair: trailing spaces of the context move to the continuation, the
-  pair is encoded whole with BOS and the continuation is what follows the context's own encoding
-  (lm-eval's HF model with a tokenizer that adds BOS, as Llama's do); sequences longer than
+- a (context, continuation) pair: trailing whitespace of the context moves to the continuation;
+  the scored tokens are the context's own encoding (with BOS) followed by what the encoding of
+  context + continuation holds after that many tokens (lm-eval's `_encode_pair`), which differs
+  from the whole string's encoding where BPE merges across the boundary (":" + "\n" -> ":\n");
+  an empty context is BOS, then the continuation encoded without BOS; sequences longer than
   seq_len + 1 tokens lose their left end;
 - a document (perplexity): encoded without BOS, scored in disjoint windows of seq_len tokens,
   each conditioned on BOS or on the previous seq_len tokens (lm-eval's loglikelihood_rolling with
@@ -18,13 +21,23 @@ from torchtitan_xla import runtime
 
 
 def pair_tokens(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
-    """(the tokens of BOS + context + continuation, how many at the end are the continuation)."""
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = tokenizer.encode(context + continuation, bos=True, eos=False)
-    n_context = len(tokenizer.encode(context, bos=True, eos=False))
-    return whole, len(whole) - n_context
+    """(context tokens + continuation tokens, how many at the end are the continuation), as
+    lm-eval's TemplateLM.loglikelihood builds them (docs/evaluation.md)."""
+    if not context:  # lm-eval: the prefix token (BOS), not the encoding of ""
+        context_enc = [tokenizer.bos_id]
+        continuation_enc = tokenizer.encode(continuation, bos=False, eos=False)
+    else:
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = tokenizer.encode(context + continuation, bos=True, eos=False)
+        context_enc = tokenizer.encode(context, bos=True, eos=False)
+        # The context keeps its own encoding even where `whole` merged its last token onward.
+        continuation_enc = whole[len(context_enc):]
+    if not continuation_enc:  # nothing to score; lm-eval asserts on it too
+        raise ValueError(f"the continuation {continuation!r} after the context ...{context[-30:]!r} "
+                         f"has no tokens of its own (the context's encoding covers the whole)")
+    return context_enc + continuation_enc, len(continuation_enc)
 
 
 def rolling_windows(tokens: list[int], bos: int, seq_len: int) -> list[tuple[list[int], int]]:

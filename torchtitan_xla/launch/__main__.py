@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from torchtitan_xla.config import parse_args
+from torchtitan_xla.config import attributed, parse_args
 from torchtitan_xla.errors import run_main
 from torchtitan_xla.launch.plan import cpu_device_count, dry_run_text, plan
 
@@ -29,6 +29,12 @@ def main(argv: list[str]) -> int:
         return 2
     mode, args = argv[0], argv[1:]
     job_config = parse_args(args)
+    with attributed(job_config):  # an error names the file or flag that set its key
+        _run(mode, args, job_config)
+    return 0
+
+
+def _run(mode: str, args: list[str], job_config) -> None:
     if mode == "--cpu-devices":
         print(cpu_device_count(job_config))
     elif mode == "--dump-folder":
@@ -47,7 +53,6 @@ def main(argv: list[str]) -> int:
         from torchtitan_xla.launch.host_group import check_hosts
 
         print("CHECK_HOSTS " + json.dumps(check_hosts(job_config)), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def check_hosts(job_config: JobConfig, *, sequences: int = 16) -> dict:
     check_slices(hosts, job_config.parallelism.num_slices)
     if hosts.count > 1:
         init_host_group(hosts)
-    tokenizer = build_tokenizer(job_config.model.tokenizer_path)
+    tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     loader = build_data_loader(job_config, tokenizer, batch_size=1, host_rank=hosts.rank,
                                host_count=hosts.count)
     fingerprints = []

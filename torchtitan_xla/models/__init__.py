@@ -23,9 +23,11 @@ def get_model_args(name: str, flavor: str, **overrides) -> ModelArgs:
 def moe_overrides(moe) -> dict:
     """ModelArgs overrides from a [moe] config section (any object with these attributes): each of
     num_experts, top_k, moe_every, capacity_factor that is not 0 replaces the flavor's (0 keeps it;
-    the flavors' capacity_factor is 0, dropless)."""
-    return {k: getattr(moe, k) for k in ("num_experts", "top_k", "moe_every", "capacity_factor")
-            if getattr(moe, k)}
+    the flavors' capacity_factor is 0, dropless), and aux_loss_weight always (0 is a weight too):
+    the weight training gives the load-balancing loss, which a Mixtral export's config carries."""
+    out = {k: getattr(moe, k) for k in ("num_experts", "top_k", "moe_every", "capacity_factor")
+           if getattr(moe, k)}
+    return {**out, "aux_loss_weight": moe.aux_loss_weight}
 
 
 def get_model_class(name: str) -> type:

@@ -17,7 +17,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan_xla.config import JobConfig
+from torchtitan_xla.config import JobConfig, where
 from torchtitan_xla.logging import logger
 
 
@@ -44,14 +44,22 @@ def lr_factor(step: int, *, warmup_steps: int, decay_start: int, decay_steps: in
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, job_config: JobConfig) -> LambdaLR:
     cfg, steps = job_config.lr_scheduler, job_config.training.steps
     warmup = min(cfg.warmup_steps, steps)
+    if cfg.warmup_steps > steps:
+        # As torchtitan: the warmup is cut to the run, said once at start rather than refused, so
+        # that a recipe's schedule still runs a short test of it.
+        logger.warning(
+            f"{where(job_config, 'lr_scheduler', 'warmup_steps')} = {cfg.warmup_steps} exceeds "
+            f"{where(job_config, 'training', 'steps')} = {steps}: warming up over all {steps} steps "
+            f"instead (the lr stays below its peak)")
     if cfg.decay_ratio is None:
         decay_steps = steps - warmup
     else:
         decay_steps = round(steps * cfg.decay_ratio)
         if warmup + decay_steps > steps:
             logger.warning(
-                f"[lr_scheduler] warmup_steps ({warmup}) + decay ({decay_steps} steps) exceed "
-                f"training.steps ({steps}); decaying over the last {steps - warmup} steps instead")
+                f"{where(job_config, 'lr_scheduler', 'warmup_steps')} ({warmup}) + decay_ratio's "
+                f"{decay_steps} steps exceed training.steps ({steps}); decaying over the last "
+                f"{steps - warmup} steps instead")
             decay_steps = steps - warmup
     fn = functools.partial(
         lr_factor, warmup_steps=warmup, decay_start=steps - decay_steps, decay_steps=decay_steps,

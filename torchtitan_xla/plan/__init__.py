@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan_xla.config import JobConfig, parse_args
+from torchtitan_xla.config import JobConfig, attributed, parse_args
 from torchtitan_xla.errors import ConfigError
 
 from . import comms, memory
@@ -83,19 +83,16 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
     from torchtitan_xla.models.llama.moe import inactive_expert_params
     from torchtitan_xla.parallelisms import MESH_AXES, ParallelDims
 
-    source = job_config.job.config_file or "the command line"
-    try:
+    with attributed(job_config):  # errors name the file or flag that set the key
         target = parse_slice(tpu)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    if job_config.parallelism.num_slices > 1:
-        raise ConfigError(f"{source}: [parallelism] num_slices > 1: the plan covers one slice "
-                          f"(ICI); plan one slice's share of the job")
-    try:
-        dims = ParallelDims.from_config(job_config.parallelism, target.chips)
-        mem = memory.estimate(job_config, dims)
-    except ConfigError as e:
-        raise ConfigError(f"{source} on {tpu} ({target.chips} chips, one device each): {e}") from None
+        if job_config.parallelism.num_slices > 1:
+            raise ConfigError(f"[parallelism] num_slices = {job_config.parallelism.num_slices}: the "
+                              f"plan covers one slice (ICI); plan one slice's share of the job")
+        try:
+            dims = ParallelDims.from_config(job_config.parallelism, target.chips)
+            mem = memory.estimate(job_config, dims)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (on {tpu}: {target.chips} chips, one device each)") from None
     args, model = memory.build_meta_model(job_config)
     training = job_config.training
     global_batch = (training.global_batch_size if training.global_batch_size > 0

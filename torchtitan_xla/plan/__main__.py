@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import sys
 
-from torchtitan_xla.config import parse_args
+from torchtitan_xla.config import parse_args, where
 from torchtitan_xla.errors import ConfigError, run_main
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
 
     cfg = parse_args(argv)
     if not cfg.plan.tpu:
-        raise ConfigError(f"[plan] tpu is not set in {cfg.job.config_file or 'the config'}: name "
-                          f"the slice to plan for, e.g. --plan.tpu v5p-256")
+        raise ConfigError(f"{where(cfg, 'plan', 'tpu')} is not set: name the slice to plan for, "
+                          f"e.g. --plan.tpu v5p-256")
     plan = build_plan(cfg, cfg.plan.tpu, argv=argv)
     print(report(plan, cfg))
     return 0 if plan.fits else 1

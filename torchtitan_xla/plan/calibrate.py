@@ -51,6 +51,21 @@ def repo_args(args: list[str]) -> list[str]:
     return [*args[:i], str(REPO / args[i]), *args[i + 1:]]
 
 
+def calibration_shape(row: dict):
+    """(memory.Shape, parameter bytes per device) of a calibration point (`grid_point` with the
+    device count it ran on)."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+
+    from .memory import BYTES_PARAM, activation_shape, build_meta_model, local_parameters
+
+    cfg = parse_args(repo_args(row["args"]))
+    dims = ParallelDims.from_config(cfg.parallelism, row["devices"])
+    args, model = build_meta_model(cfg, **row["model"])
+    elements, _ = local_parameters(model, dims)
+    return activation_shape(cfg, args, dims, cfg.training.local_batch_size), elements * BYTES_PARAM
+
+
 def measure(points: list[dict], devices: int, *, timeout: int = 1200) -> list[dict]:
     """[{"temp_bytes": int, "collectives": [[kind, result_bytes, group_size, shape], ...]}] per
     point, each from its own compiled step on `devices` virtual XLA CPU devices."""

@@ -231,18 +231,3 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
                   optimizer=trained * states * BYTES_STATE,
                   temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients,
                   largest_shard=largest)
-
-
-def calibration_shape(row: dict) -> tuple[Shape, int]:
-    """(Shape, parameter bytes per device) of a calibration point (plan/calibrate.py `grid_point`
-    with the device count it ran on)."""
-    from torchtitan_xla.config import parse_args
-    from torchtitan_xla.parallelisms import ParallelDims
-
-    from .calibrate import repo_args
-
-    cfg = parse_args(repo_args(row["args"]))
-    dims = ParallelDims.from_config(cfg.parallelism, row["devices"])
-    args, model = build_meta_model(cfg, **row["model"])
-    elements, _ = local_parameters(model, dims)
-    return activation_shape(cfg, args, dims, cfg.training.local_batch_size), elements * BYTES_PARAM

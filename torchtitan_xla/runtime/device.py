@@ -138,11 +138,19 @@ def metrics_report() -> str:
 
 
 def memory_info(dev: torch.device) -> dict[str, int]:
-    """The device allocator's bytes_used / peak_bytes_used / bytes_limit. Raises where the runtime
-    has none (the XLA CPU backend; the SPMD virtual device in torch_xla 2.9, pytorch/xla#9022)."""
+    """The device allocator's bytes_used / peak_bytes_used / bytes_limit. Raises RuntimeError with
+    the reason in plain words where the runtime has none (torch_xla's own message is an internal
+    `Check failed` assertion a user would read as a crash)."""
     import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
 
-    return xm.get_memory_info(dev)
+    try:
+        return xm.get_memory_info(dev)
+    except Exception:  # the runtime's assertion text, whatever its type
+        if xr.is_spmd():
+            raise RuntimeError("torch_xla 2.9 gives none for the SPMD virtual device, "
+                               "pytorch/xla#9022") from None
+        raise RuntimeError(f"the {device_type()} runtime keeps no allocator statistics") from None
 
 
 def tpu_accelerator_type() -> str | None:

@@ -19,10 +19,11 @@ def _looks_like_tiktoken(path: Path) -> bool:
     return len(first) == 2 and first[1].isdigit()
 
 
-def build_tokenizer(tokenizer_path: str) -> Tokenizer:
+def build_tokenizer(tokenizer_path: str, model: str = "") -> Tokenizer:
     """The tokenizer at `tokenizer_path`, its format detected from the file. An empty path gives
     the project's debug tokenizer (trained from the embedded corpus, cached); "llama3" gives
-    Meta's Llama 3 tokenizer from the llama-models package, when that is installed."""
+    Meta's Llama 3 tokenizer from the llama-models package, when that is installed. A missing
+    file's error says where `model`'s tokenizer comes from."""
     if not tokenizer_path:
         from torchtitan_xla.datasets.tokenizer.train_bpe import default_tokenizer_path
 
@@ -31,7 +32,11 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
     if not path.is_file() and tokenizer_path == LLAMA3:
         path = find_llama3_tokenizer()
     if not path.is_file():
-        raise ConfigError(f"[model] tokenizer_path: file not found: {tokenizer_path}")
+        from torchtitan_xla.datasets.tokenizer.hub import where_to_get
+
+        hint = where_to_get(model, tokenizer_path)
+        raise ConfigError(f"[model] tokenizer_path: file not found: {tokenizer_path}"
+                          + (f"; {hint}" if hint else ""))
     if _looks_like_tiktoken(path):
         from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer
 

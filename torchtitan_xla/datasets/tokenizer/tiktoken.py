@@ -14,6 +14,13 @@ from pathlib import Path
 from torchtitan_xla.datasets.tokenizer.base import Tokenizer
 from torchtitan_xla.errors import ConfigError
 
+# The Llama 3 chat format (datasets/chat.py's render) as a transformers chat template (Jinja),
+# written into exported tokenizers: `apply_chat_template` then gives render()'s ids (tested on
+# python_docs_chat).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 # Llama 3's pre-tokenisation regex.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -114,8 +121,6 @@ class TikTokenizer(Tokenizer):
         bos = "<|begin_of_text|>"
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
-        from torchtitan_xla.datasets.chat import LLAMA3_CHAT_TEMPLATE
-
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos,
                                      eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>",
                                      chat_template=LLAMA3_CHAT_TEMPLATE)

@@ -28,7 +28,10 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 2048
+    max_seq_len: int = 2048  # the RoPE tables' length: train.py makes it training.seq_len
+    # The model's context length: its flavor's max_seq_len, which train.py's max_seq_len override
+    # leaves here (None: max_seq_len). An HF export's max_position_embeddings is the larger of the two.
+    context_len: int | None = None
     # Scale the init of each block's output projections by its depth (torchtitan's default).
     depth_init: bool = True
     # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
@@ -41,8 +44,16 @@ class ModelArgs:
     # 0: dropless (every token reaches its top_k experts). c > 0: each expert takes at most
     # ceil(c * top_k * S / num_experts) of a sequence's S tokens, the rest are dropped (GShard).
     capacity_factor: float = 0.0
+    # The weight of the load-balancing loss in training ([moe] aux_loss_weight, through
+    # models.moe_overrides): unused by the model, it is what a Mixtral export's router_aux_loss_coef
+    # says. A dense model has no router: 0.
+    aux_loss_weight: float = 0.0
 
     def __post_init__(self):
+        if self.context_len is None:
+            self.context_len = self.max_seq_len
+        if not self.num_experts:
+            self.aux_loss_weight = 0.0
         if self.num_experts < 0 or self.moe_every < 1 or self.capacity_factor < 0:
             raise ValueError("ModelArgs: num_experts and capacity_factor must be >= 0, moe_every >= 1")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
@@ -74,13 +85,15 @@ class ModelArgs:
         return self.num_experts > 0 and (i + 1) % self.moe_every == 0
 
 
-# vocab_size comes from the tokenizer.
+# vocab_size comes from the tokenizer. max_seq_len is the published context length (Llama 2: 4096,
+# Llama 3.1: 131072; the debug models 2048): training replaces it by its seq_len, and it stays the
+# model's context_len, which the HF export writes as max_position_embeddings.
 llama2_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16),
-    "7B": ModelArgs(dim=4096, n_layers=32, n_heads=32),
-    "13B": ModelArgs(dim=5120, n_layers=40, n_heads=40),
+    "7B": ModelArgs(dim=4096, n_layers=32, n_heads=32, max_seq_len=4096),
+    "13B": ModelArgs(dim=5120, n_layers=40, n_heads=40, max_seq_len=4096),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                     ffn_dim_multiplier=1.3, multiple_of=4096),
+                     ffn_dim_multiplier=1.3, multiple_of=4096, max_seq_len=4096),
 }
 
 # Llama 3 flavors carry Llama 3.1's RoPE scaling (405B exists only as 3.1); the debug model
@@ -88,16 +101,17 @@ llama2_configs = {
 llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                    multiple_of=1024, rope_theta=500000, rope_scaling=RopeScaling()),
+                    multiple_of=1024, rope_theta=500000, rope_scaling=RopeScaling(), max_seq_len=131072),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                     multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling()),
+                     multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling(), max_seq_len=131072),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-                      multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling()),
+                      multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling(), max_seq_len=131072),
 }
 
 # Mixtral (Mistral AI, 2024): Mistral 7B's attention with 8 SwiGLU experts, top-2, in every block.
 # The published flavors' numbers are those of the checkpoints' config.json (transformers'
-# MixtralConfig defaults are 8x7B's; 8x22B's from mistral-community/Mixtral-8x22B-v0.1). Their
+# MixtralConfig defaults are 8x7B's but for max_position_embeddings and router_aux_loss_coef, which
+# are max_seq_len and aux_loss_weight here; 8x22B's from mistral-community/Mixtral-8x22B-v0.1). Their
 # vocabulary comes from the tokenizer, as for Llama: 32000 for 8x7B, 32000 / 32768 for 8x22B
 # v0.1 / Instruct-v0.1. multiple_of makes the dense FFN size (used only in dense blocks, with
 # moe_every > 1) the experts' size, Mistral 7B's 14336 for 8x7B, as reading their config.json gives.
@@ -108,7 +122,9 @@ mixtral_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=16, n_kv_heads=8, rope_theta=1e6,
                             num_experts=8, top_k=2, moe_hidden_dim=384),
     "8x7B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=14336, rope_theta=1e6,
-                      norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=14336),
+                      norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=14336, max_seq_len=32768,
+                      aux_loss_weight=0.02),
     "8x22B": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, multiple_of=16384, rope_theta=1e6,
-                       norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=16384),
+                       norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=16384, max_seq_len=65536,
+                       aux_loss_weight=0.001),
 }

@@ -147,9 +147,10 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 
 
 def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None = None,
-              dtype: str = "float32", router_aux_loss_coef: float = 0.0) -> dict[str, Any]:
+              dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` with which `LlamaForCausalLM`, or with experts `MixtralForCausalLM`, computes
-    what our model computes (`router_aux_loss_coef`: Mixtral's, for training on in transformers)."""
+    what our model computes, and which describes it as trained: its context length (the flavor's,
+    or the positions training reached beyond it) and, for Mixtral, the load-balancing loss's weight."""
     moe = args.num_experts > 0
     if moe and args.moe_every != 1:
         # Qwen2-MoE and Qwen3-MoE interleave dense and MoE blocks (decoder_sparse_step), but with
@@ -170,7 +171,10 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
+        # Not RoPE's input (transformers' default and llama3 RoPE ignore it, as ours does): the
+        # context, which max_seq_len (training's seq_len) alone would understate.
+        "max_position_embeddings": max(args.context_len, args.max_seq_len),
+        "attention_dropout": 0.0,
     }
     if moe:
         # transformers' Mixtral is dropless: a model trained with a capacity factor computes there
@@ -180,9 +184,12 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
             "tie_word_embeddings": False,
             "num_local_experts": args.num_experts,
             "num_experts_per_tok": args.top_k,
-            "router_aux_loss_coef": router_aux_loss_coef,
+            # transformers adds router_aux_loss_coef x its balancing loss to the loss only with
+            # output_router_logits: on when training weighted it, so training on goes on alike (its
+            # loss averages the layers' fractions first, moe.py; no z-loss exists there).
+            "router_aux_loss_coef": args.aux_loss_weight,
+            "output_router_logits": args.aux_loss_weight > 0,
             "router_jitter_noise": 0.0,
-            "output_router_logits": False,
         })
     else:
         cfg.update({"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})

@@ -1,0 +1,39 @@
+"""Where the recipes' tokenizers come from: each model family's `tokenizer.model` in its (gated)
+HuggingFace repository, for the error a user sees when the file is missing and for
+`scripts/download_tokenizer.py`, which fetches it. Nothing here downloads at run time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    repo: str  # HuggingFace repository id
+    filename: str  # the file inside it
+    default_path: str  # where the recipes look for it (their tokenizer_path)
+
+    @property
+    def url(self) -> str:
+        return f"https://huggingface.co/{self.repo}"
+
+
+SOURCES = {
+    "llama3": TokenizerSource("meta-llama/Llama-3.1-8B", "original/tokenizer.model",
+                              "./assets/tokenizer/llama3/tokenizer.model"),
+    "llama2": TokenizerSource("meta-llama/Llama-2-7b-hf", "tokenizer.model",
+                              "./assets/tokenizer/llama2/tokenizer.model"),
+    "mixtral": TokenizerSource("mistralai/Mixtral-8x7B-v0.1", "tokenizer.model",
+                               "./assets/tokenizer/mixtral/tokenizer.model"),
+}
+
+
+def where_to_get(model: str, path: str) -> str:
+    """One sentence on how to get `model`'s tokenizer to `path`; empty for an unknown family."""
+    source = SOURCES.get(model)
+    if source is None:
+        return ""
+    return (f"{model}'s tokenizer is {source.filename} in the gated HuggingFace repository "
+            f"{source.repo}: accept its licence at {source.url}, then run "
+            f"`python scripts/download_tokenizer.py {model} --out {path}` with HF_TOKEN set "
+            f"(README, 'Tokenizers')")
