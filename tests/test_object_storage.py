@@ -6,8 +6,11 @@ s3fs. The runs are the checkpoint tests' short ones (checkpoint_helpers.py).
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,10 +18,20 @@ import pytest
 import torch
 from checkpoint_helpers import SLOW_SAVE, TWO_BLOCKS, args, run
 from helpers import REPO, tiny_args, train_process
-from object_storage import GCS_BUCKET, S3_BUCKET, environment, gcs_server, s3_server
+from object_storage import (
+    GCS_BUCKET,
+    S3_BUCKET,
+    environment,
+    free_port,
+    gcs_server,
+    reads,
+    requests,
+    s3_server,
+)
 
 from torchtitan_xla import storage
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
+from torchtitan_xla.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +44,14 @@ def gcs():
 def s3():
     with s3_server() as env:
         yield env
+
+
+def _assert_read_once(read, step: str) -> None:
+    """A resume from `step` read its one data file with one request, and DCP's metadata once for each
+    time it is asked for (the host count, then the load). DCP's fsspec reader alone made 2,784 ranged
+    requests of that file (gcsfs) and 8 (s3fs); docs/checkpoint.md."""
+    assert {k: n for k, n in read.items() if k.endswith(".distcp")} == {f"{step}/__0_0.distcp": 1}, read
+    assert read[f"{step}/.metadata"] == 2, read
 
 
 def test_gcs_async_save_killed_midway_resumes_bit_exact_and_keeps_latest_k(straight, gcs, tmp_path):
@@ -51,9 +72,11 @@ def test_gcs_async_save_killed_midway_resumes_bit_exact_and_keeps_latest_k(strai
         assert storage.listdir(url) == ["step-3", "step-6"]
         half = storage.file_sizes(f"{url}/step-6")
         assert "__0_0.distcp" in half and COMMIT_FILE not in half  # written, never committed
+    before = len(requests(gcs))
     resumed, log = run(tmp_path, *same, "--checkpoint.last_save_in_hf", env=gcs)
     assert f"Resumed from {url}/step-3 (step 3)" in log and "error" not in log.lower()
     assert resumed == {s: losses[s] for s in (4, 5, 6)}  # identical floats
+    _assert_read_once(reads(gcs, before), "killed/step-3")
     with environment(gcs):
         # Step 3 gone (keep_latest_k), step 6 rewritten, and the HuggingFace export beside it.
         assert storage.listdir(url) == ["step-6", "step-6-hf"]
@@ -79,14 +102,40 @@ def test_s3_resume_reshards_4_to_8_devices_past_a_step_without_its_record(s3, tm
         assert committed_steps(url) == [3, 6]
         storage.remove(f"{url}/step-6/{COMMIT_FILE}")  # as if killed before its record
         assert committed_steps(url) == [3]
+    before = len(requests(s3))
     resumed, log = run(tmp_path / "b", "--training.local_batch_size", "2", "--checkpoint.folder", url,
                        "--parallelism.tensor_parallel_degree", "2", devices=8, env=s3)
     assert f"Resumed from {url}/step-3 (step 3)" in log
+    _assert_read_once(reads(s3, before), "reshard/step-3")
     # Same state on fsdp=4 x tp=2: only the reduction order differs (as on a local folder).
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(losses[step], rel=2e-6)
     with environment(s3):
         assert committed_steps(url) == [3, 6]
+
+
+def test_a_bucket_checkpoint_is_read_in_merged_ranges_one_request_each(gcs, monkeypatch):
+    """The reader's ranges made small (a range holds two items): every tensor comes back exact,
+    with one request per range; a load of two far-apart tensors reads only their two ranges."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_xla.checkpoint import commit
+
+    tensors = {f"w{i}": torch.randn(64, 64) for i in range(12)}
+    url = f"gs://{GCS_BUCKET}/ranges/step-0"
+    monkeypatch.setattr(commit, "_MAX_BLOCK", 40_000)
+    monkeypatch.setattr(commit, "_MAX_GAP", 0)
+    commit.quiet_dcp()
+    with environment(gcs):
+        dcp.save({"model": tensors}, storage_writer=commit.writer(url), no_dist=True)
+        lengths = [s.length for s in commit.reader(url).read_metadata().storage_data.values()]
+        assert len(lengths) == 12 and 2 * max(lengths) <= 40_000 < 3 * min(lengths)  # 2 a range
+        for keys, ranges in ((sorted(tensors), 6), (["w0", "w11"], 2)):
+            before = len(requests(gcs))
+            out = {"model": {k: torch.empty(64, 64) for k in keys}}
+            dcp.load(out, storage_reader=commit.reader(url), no_dist=True)
+            assert all(torch.equal(out["model"][k], tensors[k]) for k in keys)
+            assert reads(gcs, before)["ranges/step-0/__0_0.distcp"] == ranges
 
 
 def _rows(ds) -> list[str]:
@@ -116,6 +165,14 @@ def test_datasets_read_from_buckets_equal_the_local_files(gcs, s3, tmp_path):
             assert _rows(load_documents("json", f"{bucket}/data/json/b.jsonl")) == texts[20:]
             with pytest.raises(Exception, match=rf"^\[training\] dataset_path: not found: {bucket}/nothing$"):
                 load_documents("json", f"{bucket}/nothing")
+            # A bucket that does not exist: the library's error as one line (storage.describe).
+            missing = f"{bucket.split('://')[0]}://no-such-bucket-ttx/data/*.jsonl"
+            with pytest.raises(ConfigError) as e:
+                load_documents("json", missing)
+            assert str(e.value) == {  # gcsfs raises on the bucket, s3fs lists nothing
+                "gs": f"[training] dataset_path: {missing}: not found (b/no-such-bucket-ttx/o)",
+                "s3": f"[training] dataset_path: no .json / .jsonl / .json.gz / .jsonl.gz files in {missing}",
+            }[bucket[:2]]
 
 
 def _train_py(folder, env, *extra) -> subprocess.CompletedProcess:
@@ -127,12 +184,72 @@ def _train_py(folder, env, *extra) -> subprocess.CompletedProcess:
 def test_a_bucket_that_cannot_be_written_is_one_line_exit_2_at_start(gcs, tmp_path):
     p = _train_py(tmp_path, gcs, "--checkpoint.enable", "--checkpoint.folder", "gs://no-such-bucket/run")
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1] == (
-        "error: [checkpoint] folder: cannot write to gs://no-such-bucket/run: no such bucket")
+    assert p.stderr.strip().splitlines()[-1] == ("error: command line: --checkpoint.folder: cannot "
+                                                 "write to gs://no-such-bucket/run: no such bucket")
     assert "step:" not in p.stderr  # before any training
     with s3_server(auth=True) as denied:
         p = _train_py(tmp_path, denied, "--job.dump_folder", f"s3://{S3_BUCKET}/run")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1] == (
-        f"error: [job] dump_folder: cannot write to s3://{S3_BUCKET}/run: permission denied "
-        "(The AWS Access Key Id you provided does not exist in our records.)")
+        f"error: command line: --job.dump_folder: cannot write to s3://{S3_BUCKET}/run: permission "
+        "denied (The AWS Access Key Id you provided does not exist in our records.)")
+
+
+def _offline(home, closed: int, silent: int) -> dict[str, str]:
+    """This environment without credentials or a network: every endpoint the libraries would reach
+    (the store, Google's metadata server, AWS's instance metadata) is a loopback port, `closed`
+    (nothing listens) or `silent` (accepts connections, never answers). Nothing leaves the host."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_", "GOOGLE_", "GCE_"))}
+    return {**env, "PJRT_DEVICE": "CPU", "HOME": str(home), "CLOUDSDK_CONFIG": str(home / "gcloud"),
+            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{closed}",
+            "GCE_METADATA_HOST": f"127.0.0.1:{closed}", "GCE_METADATA_IP": f"127.0.0.1:{closed}",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent}", "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{closed}",
+            "AWS_CONFIG_FILE": str(home / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(home / "aws-creds")}
+
+
+CHECK_BOUND = 20  # seconds: storage.WRITE_CHECK_SECONDS, as docs/checkpoint.md states it
+
+
+def _check_time(url: str, folder, env) -> tuple[int, list[str], float]:
+    """train.py with its checkpoint folder at `url`, killed after 120 s: (exit code, stderr lines,
+    seconds from the log line just before the writable check to the process's end)."""
+    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *tiny_args(folder, "--checkpoint.enable",
+                          "--checkpoint.folder", url)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    killer = threading.Timer(120, p.kill)
+    killer.start()
+    lines, started = [], time.perf_counter()
+    for line in p.stderr:
+        lines.append(line.rstrip("\n"))
+        if "Starting job" in line:
+            started = time.perf_counter()
+    p.wait()
+    killer.cancel()
+    return p.returncode, lines, time.perf_counter() - started
+
+
+def test_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
+    """No credentials and no network: gs:// (gcsfs retries, google-auth's metadata server) and an
+    s3:// endpoint that never answers. One line, nothing else on stderr, within the bound."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "home").mkdir()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # never accepted: connections open, requests are never answered
+        env = _offline(tmp_path / "home", free_port(), silent.getsockname()[1])
+        with ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda url: _check_time(url, tmp_path / url[:2], env),
+                                 ["gs://bucket/run", "s3://bucket/run"]))
+    for url, (code, lines, seconds) in zip(["gs://bucket/run", "s3://bucket/run"], runs):
+        # Only the project's own "Starting job" log line before the one error line (no warnings,
+        # no tracebacks), and the check gave up within its bound (plus the process's exit).
+        assert code == 2 and len(lines) == 2 and "] Starting job: " in lines[0], (url, lines)
+        assert lines[1].startswith(f"error: command line: --checkpoint.folder: cannot write to {url}: "
+                                   f"gave up after {CHECK_BOUND} s"), (url, lines)
+        assert seconds < CHECK_BOUND + 5, (url, seconds)
+    # gs://: the reason it kept retrying is in the line.
+    assert "(last error: _request retrying after exception: Cannot connect to host 127.0.0.1" in runs[0][1][1]
+    assert storage.WRITE_CHECK_SECONDS == CHECK_BOUND

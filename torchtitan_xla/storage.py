@@ -10,7 +10,10 @@ when its upload completes (the checkpoint commit protocol builds on that, checkp
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import uuid
 from contextlib import contextmanager
@@ -44,19 +47,26 @@ def name(path: str) -> str:
     return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
-def filesystem(url: str):
-    """(fsspec file system, its path) of a URL; a missing package is one line naming the extra."""
-    from fsspec.core import url_to_fs
-
+@contextmanager
+def _implementation(url: str):
+    """A missing package or an unknown URL scheme raised inside is one line naming the extra."""
     scheme = url.split("://", 1)[0]
     try:
-        return url_to_fs(url)
+        yield
     except ImportError:
         package, extra = _PACKAGES.get(scheme, (f"an fsspec implementation of {scheme}://", None))
         hint = f" (pip install 'torchtitan_xla[{extra}]')" if extra else ""
         raise ConfigError(f"{url}: reading and writing {scheme}:// needs {package}{hint}") from None
     except ValueError as e:  # an unknown protocol
         raise ConfigError(f"{url}: {first_line(e, typed=False)}") from None
+
+
+def filesystem(url: str):
+    """(fsspec file system, its path) of a URL; a missing package is one line naming the extra."""
+    from fsspec.core import url_to_fs
+
+    with _implementation(url):
+        return url_to_fs(url)
 
 
 def _fresh(url: str):
@@ -187,24 +197,90 @@ def describe(e: BaseException) -> str:
     return first_line(e, limit=200)
 
 
+# A URL's write check runs in a child process, which is given up on after WRITE_CHECK_SECONDS:
+# without a network the libraries retry for a minute or more (gcsfs 6 times over ~35 s, google-auth
+# asks the metadata server), and log, warn and print tracebacks as they go (the child's stderr is
+# dropped). What the child found comes back on its stdout, one JSON object a line after _MARK.
+WRITE_CHECK_SECONDS = 20
+_MARK = "ttx-write-check "
+_PROBE = f"""
+import json, logging, sys
+def say(**report):
+    print({_MARK!r} + json.dumps(report), flush=True)
+class Errors(logging.Handler):  # what the libraries retry on: the reason if time runs out
+    def emit(self, record):
+        text = record.getMessage().strip()
+        if text and (record.exc_info or "error" in text.lower() or "exception" in text.lower()):
+            say(logged=text.splitlines()[0][:200])
+logging.getLogger().addHandler(Errors())
+for name in ("gcsfs", "s3fs"):
+    logging.getLogger(name).setLevel(logging.DEBUG)
+try:
+    from fsspec.core import url_to_fs
+    fs, path = url_to_fs(sys.argv[1])
+    fs.pipe_file(path, b"")
+    fs.rm_file(path)
+    say(ok=True)
+except Exception as e:
+    say(error=type(e).__name__, text=str(e), missing=isinstance(e, FileNotFoundError),
+        denied=isinstance(e, PermissionError))
+"""
+
+
+def _reason(report: dict) -> str:
+    """One line for the failed write the child reported. The object-store libraries put the reason
+    (no such bucket, access denied) in the message of a FileNotFoundError / PermissionError / OSError;
+    objects need no parent folders, so only a missing bucket makes a write "not found"."""
+    text = report["text"].strip().splitlines()[0][:200] if report["text"].strip() else ""
+    if report["missing"]:
+        return "no such bucket"
+    if report["denied"]:
+        return f"permission denied ({text})" if text else "permission denied"
+    return f"{report['error']}: {text}" if text else report["error"]
+
+
+def _write_check(url: str) -> str | None:
+    """None if an empty object can be written to `url` and deleted; otherwise why not, in a line."""
+    with tempfile.TemporaryFile("w+") as out:
+        child = subprocess.Popen([sys.executable, "-c", _PROBE, url], stdin=subprocess.DEVNULL,
+                                 stdout=out, stderr=subprocess.DEVNULL)
+        try:
+            child.wait(timeout=WRITE_CHECK_SECONDS)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            timed_out = True
+        out.seek(0)
+        reports = [json.loads(line.split(_MARK, 1)[1]) for line in out if _MARK in line]
+    outcome = next((r for r in reports if "ok" in r or "error" in r), None)
+    if outcome is not None:
+        return None if "ok" in outcome else _reason(outcome)
+    logged = [r["logged"] for r in reports if "logged" in r]
+    if timed_out:
+        return (f"gave up after {WRITE_CHECK_SECONDS} s" +
+                (f" (last error: {logged[-1]})" if logged else " (no answer)"))
+    return f"the check exited with code {child.returncode}" + (f" ({logged[-1]})" if logged else "")
+
+
 def check_writable(folder: str | Path, key: str) -> None:
     """ConfigError naming the config `key` unless files can be created in `folder` (or where it
     will be created). Run at start, so that a bad location is not found at the first checkpoint,
     after the training before it; nothing is left behind. A URL gets a probe object written and
-    deleted (its bucket must exist: buckets are not created)."""
+    deleted (its bucket must exist: buckets are not created), in a child process given
+    WRITE_CHECK_SECONDS; what the storage libraries log or print meanwhile is not shown."""
     folder = str(folder)
     if is_url(folder):
-        probe = join(folder, f".write-check-{uuid.uuid4().hex}")
+        from fsspec.registry import get_filesystem_class
+
         try:
-            fs, p = filesystem(probe)
-            fs.pipe_file(p, b"")
-            fs.rm_file(p)
+            with _implementation(folder):  # a missing package: found here, without a child
+                get_filesystem_class(folder.split("://", 1)[0])
         except ConfigError as e:
             raise ConfigError(f"{key}: {e}") from None
-        except Exception as e:  # each library raises its own types for a bucket, auth or network error
-            # Objects need no parent folders: only a missing bucket makes a write "not found".
-            reason = "no such bucket" if isinstance(e, FileNotFoundError) else describe(e)
-            raise ConfigError(f"{key}: cannot write to {folder}: {reason}") from None
+        reason = _write_check(join(folder, f".write-check-{uuid.uuid4().hex}"))
+        if reason is not None:
+            raise ConfigError(f"{key}: cannot write to {folder}: {reason}")
         return
     existing = Path(folder)
     while not existing.exists() and existing.parent != existing:

@@ -72,6 +72,7 @@ def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
     (`runtime.materialise()`, outside the caller's try: a device error is not a damaged file)."""
     import torch.distributed.checkpoint as dcp
 
+    commit.quiet_dcp()
     with torch.no_grad():
         dcp.load(states, storage_reader=commit.reader(path),
                  planner=checkpointing.load_planner(), process_group=process_group)
@@ -193,6 +194,7 @@ class CheckpointManager:
             if self.host_rank == 0:
                 commit.begin(path)  # an earlier save of this step, or one killed midway
             self._barrier()
+            commit.quiet_dcp()
             dcp.save(states, storage_writer=commit.writer(path),
                      planner=checkpointing.save_planner(), process_group=self._write_group)
             if self.host_rank == 0:

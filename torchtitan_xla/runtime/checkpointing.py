@@ -24,6 +24,11 @@ def save_planner():
     import torch_xla.experimental.distributed_checkpoint as xc
 
     class SavePlanner(xc.SPMDSavePlanner):
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+            # DCP's current signature (torch_xla 2.9's lacks storage_meta, which DCP warns about at
+            # every save); the SPMD planner has no use for the storage metadata.
+            super().set_up_planner(state_dict, is_coordinator)
+
         def create_local_plan(self):
             plan = super().create_local_plan()
             seen, items = set(), []
