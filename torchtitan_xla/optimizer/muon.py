@@ -45,7 +45,9 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     tall = g.shape[0] > g.shape[1]
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=NS_EPS)
+    # The norm summed in float32 then rounded to `dtype`, as torch's bfloat16 norm on CPU and CUDA:
+    # XLA sums a bfloat16 reduction in bfloat16 (10% low for a 64 x 256 matrix, measured).
+    x = x / x.to(acc).norm().to(dtype).clamp(min=NS_EPS)
     for _ in range(steps):
         gram = _product(x, x.T, acc).to(dtype)
         update = (b * gram.to(acc) + c * _product(gram, gram, acc)).to(dtype)

@@ -53,11 +53,32 @@ def grouped_mm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor) 
 def dot_f32(a: torch.Tensor, b: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:
     """One HLO `dot` contracting `a_dims` with `b_dims`, accumulated and returned in float32
     whatever the operands' dtype (float8 operands stay float8 in the dot). torch.matmul on float8
-    tensors rounds its result to float8, and torch._scaled_mm falls back to the CPU on XLA."""
+    tensors rounds its result to float8, and torch._scaled_mm falls back to the CPU on XLA.
+
+    On the XLA CPU backend, bfloat16 and float16 operands enter the dot as float32 (see
+    `CPU_UPCAST_DOT_DTYPES`); on a TPU they stay 16-bit, the matrix units' bf16 x bf16 -> f32."""
     import torch_xla
 
+    if a.dtype in CPU_UPCAST_DOT_DTYPES or b.dtype in CPU_UPCAST_DOT_DTYPES:
+        if _on_cpu_backend():
+            # 16-bit products are exact in f32, so this is the same sum (up to its order).
+            a, b = a.float(), b.float()
     return torch_xla._XLAC._xla_dot_general(a, b, ((a_dims, b_dims), ()),
                                             preferred_element_type=torch.float32)
+
+
+# XLA CPU (torch_xla 2.9) leaves a bf16 x bf16 -> f32 dot unconverted where it expects XNNPACK to
+# run it (only on CPUs with AVX512_BF16), then may emit it as an Eigen DotThunk, which has kernels
+# for same-type operands and result only: "Unsupported element type for DotThunk::Execute: BF16 x
+# BF16 = F32" at run time (docs/optimizers.md). Upcast operands are what XLA CPU itself makes of
+# such dots on every other CPU. Float16 likewise; float8 dots XLA CPU always upcasts itself.
+CPU_UPCAST_DOT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _on_cpu_backend() -> bool:
+    import torch_xla.runtime as xr
+
+    return xr.device_type() == "CPU"
 
 
 def checkpoint(fn: Callable, *args):
