@@ -24,7 +24,7 @@ from torchtitan_xla.errors import first_line  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("model", choices=sorted(SOURCES), help="model family ([model] name)")
     parser.add_argument("--out", help="file to write (default: the recipes' tokenizer_path)")
     parser.add_argument("--token", help="HuggingFace token (default: HF_TOKEN or the saved login)")

@@ -342,3 +342,35 @@ def test_seed_checkpoint_makes_runs_start_identical(tmp_path):
         starts.append(losses[1])
     # Without the seed checkpoint these seeds give different losses (test_train checks seeds matter).
     assert starts[0] == starts[1]
+
+
+def test_a_checkpoint_of_another_model_is_one_line_not_a_damaged_one(straight, tmp_path):
+    """Resuming a folder whose checkpoints another model wrote (here: the run without LoRA, resumed
+    with it) stops with one line saying so, instead of calling every step damaged and falling back
+    through all of them."""
+    from checkpoint_helpers import TWO_BLOCKS
+    from helpers import train_process
+
+    from torchtitan_xla.checkpoint.commit import model_mismatch
+
+    folder, _, _ = straight
+    copy = _copy_up_to(folder, tmp_path / "other", 6)
+    p = train_process(args(copy, "--lora.rank", "4", "--checkpoint.on_damaged", "fallback"),
+                      model_overrides=TWO_BLOCKS)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode != 0 and "damaged" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"torchtitan_xla.errors.ConfigError: "
+        f"[checkpoint] folder: {copy / 'checkpoint' / 'step-6'} holds another model's weights (28 of "
+        f"this model's 49 tensors are not in it, e.g. layers.0.attention.wq.lora_A.weight); resume with "
+        f"the config that wrote it, or start in a new [job] dump_folder")
+    assert committed_steps(copy / "checkpoint") == [3, 6]  # nothing touched
+
+    class Meta:  # DCP's TensorStorageMetadata: its size
+        def __init__(self, *size):
+            self.size = torch.Size(size)
+
+    state = {"w": torch.zeros(4, 2), "b": torch.zeros(4)}
+    assert model_mismatch({"model.w": Meta(4, 2), "model.b": Meta(4)}, state) is None
+    assert model_mismatch({"model.w": Meta(4, 3), "model.b": Meta(4)}, state) == (
+        "1 tensors have other shapes, e.g. w (4, 3) against (4, 2)")

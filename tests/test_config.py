@@ -178,7 +178,8 @@ def test_errors_found_after_parsing_name_the_file_or_flag_of_their_key(tmp_path)
     from torchtitan_xla.config import attributed, renamed_keys
 
     path = write(tmp_path, "[training]\nseq_len = 64\n[parallelism]\ntensor_parallel_degree = 4\n")
-    cfg = parse_args(["--job.config_file", path, "--training.local_batch_size", "3"])
+    cfg = parse_args(["--job.config_file", path, "--training.local_batch_size", "3",
+                      "--training.dataset_path", "/data/x.jsonl"])
     cases = {
         "[training] seq_len: too long": f"{path}: [training] seq_len: too long",
         "[training] local_batch_size = 3: odd": "command line: --training.local_batch_size = 3: odd",
@@ -187,6 +188,11 @@ def test_errors_found_after_parsing_name_the_file_or_flag_of_their_key(tmp_path)
             "[training] global_batch_size (16) must be a multiple of local_batch_size (3) x seq_len "
             f"(local_batch_size from the command line; seq_len from {path})",
         "config file not found: x.toml": "config file not found: x.toml",  # names no key
+        # A message about a path or URL a key was set to: that key.
+        "/data/x.jsonl: unreadable": "command line: --training.dataset_path: /data/x.jsonl: unreadable",
+        # A key of another section named in the message: its origin too.
+        "[parallelism] tensor_parallel_degree (4) must divide seq_len (64)":
+            f"{path}: [parallelism] tensor_parallel_degree (4) must divide seq_len (64) (seq_len from {path})",
     }
     for raised, shown in cases.items():
         with pytest.raises(ConfigError) as e, attributed(cfg):

@@ -281,6 +281,10 @@ def test_dry_run_single_host_on_cpu():
      "NODE_RANK=0) on every host"),
     ([], {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "SLURM_JOB_NUM_NODES": "3"},
      "error: inconsistent host counts: NNODES=2, but the Slurm allocation has 3 node(s)"),
+    ([], {"CPU_NUM_DEVICES": "abc"}, "error: CPU_NUM_DEVICES='abc': expected a positive integer (the "
+     "number of virtual XLA CPU devices; unset, run_train.sh chooses)"),
+    ([], {"CPU_NUM_DEVICES": "0"}, "error: CPU_NUM_DEVICES='0': expected a positive integer (the "
+     "number of virtual XLA CPU devices; unset, run_train.sh chooses)"),
     (["--parallelism.num_slices", "2", "--parallelism.data_parallel_replicate_degree", "2"],
      slurm_step(3, "n[1-3]", 0),
      "error: command line: --parallelism.num_slices = 2, but the job has 3 host(s) (Slurm): expected "
@@ -298,4 +302,15 @@ def test_help_through_run_train_lists_every_option_and_exits_0(args):
     """The help is printed by the program that reads the options (was eval'd by the launcher: exit 127)."""
     p = run_script(args, {"PJRT_DEVICE": "CPU"})
     assert (p.returncode, p.stderr) == (0, ""), p.stderr
-    assert p.stdout.startswith("usage:") and "--training.steps int  (default: 10000)" in p.stdout
+    program = "python -m torchtitan_xla.plan" if "--plan" in args else "train.py"
+    assert p.stdout.startswith(f"usage: {program} --") or p.stdout.startswith(f"usage: {program} [--")
+    assert "--training.steps int  (default: 10000)" in p.stdout
+
+
+def test_eval_help_names_the_evaluation_and_what_it_needs():
+    p = subprocess.run([sys.executable, "-m", "torchtitan_xla.eval", "--help"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert (p.returncode, p.stderr) == (0, "")
+    assert p.stdout.startswith("usage: python -m torchtitan_xla.eval --job.config_file FILE --eval.tasks "
+                               "KIND:PATH[,...] [--eval.checkpoint STEP_OR_HF_FOLDER]")
+    assert "--eval.tasks list[str]" in p.stdout

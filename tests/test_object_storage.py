@@ -209,7 +209,7 @@ def _offline(home, closed: int, silent: int) -> dict[str, str]:
             "AWS_CONFIG_FILE": str(home / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(home / "aws-creds")}
 
 
-CHECK_BOUND = 20  # seconds: storage.WRITE_CHECK_SECONDS, as docs/checkpoint.md states it
+CHECK_BOUND = 20  # seconds: storage.CHECK_SECONDS, as docs/checkpoint.md states it
 
 
 def _check_time(url: str, folder, env) -> tuple[int, list[str], float]:
@@ -252,4 +252,45 @@ def test_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
         assert seconds < CHECK_BOUND + 5, (url, seconds)
     # gs://: the reason it kept retrying is in the line.
     assert "(last error: _request retrying after exception: Cannot connect to host 127.0.0.1" in runs[0][1][1]
-    assert storage.WRITE_CHECK_SECONDS == CHECK_BOUND
+    assert storage.CHECK_SECONDS == CHECK_BOUND
+
+
+def _read_time(folder, env, *flags) -> tuple[int, list[str], float]:
+    """train.py reading from a bucket: (exit code, stderr lines, seconds from its last log line
+    before the error to the process's end), killed after 120 s."""
+    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *tiny_args(folder, *flags)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    killer = threading.Timer(120, p.kill)
+    killer.start()
+    lines, logged = [], time.perf_counter()
+    for line in p.stderr:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("[titan-xla "):
+            logged = time.perf_counter()
+    p.wait()
+    killer.cancel()
+    return p.returncode, lines, time.perf_counter() - logged
+
+
+def test_reading_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
+    """The first read of a bucket (initial weights, a dataset) is checked like a write: one line
+    naming the flag, the libraries' retries and warnings not shown, within the bound."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "home").mkdir()
+    cases = [("--checkpoint.initial_load_path", "gs://bucket/ck/step-3", []),
+             ("--training.dataset_path", "s3://bucket/data/*.jsonl", ["--training.dataset", "json"])]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        env = _offline(tmp_path / "home", free_port(), silent.getsockname()[1])
+        env.pop("XLA_USE_SPMD", None)  # this test process's (conftest); torch_xla warns about it
+        with ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda c: _read_time(tmp_path / c[1][:2], env, c[0], c[1], *c[2]), cases))
+    for (flag, url, _), (code, lines, seconds) in zip(cases, runs):
+        assert code == 2 and all(line.startswith("[titan-xla ") for line in lines[:-1]), (url, [ln for ln in lines if not ln.startswith("[titan-xla ")])
+        assert lines[-1].startswith(f"error: command line: {flag}: {url}: cannot reach the storage: "
+                                    f"gave up after {CHECK_BOUND} s"), (url, lines)
+        # The bound, plus what runs between the last log line and the read (the model's init
+        # before initial weights load: a few seconds, two runs sharing 2 cores).
+        assert seconds < CHECK_BOUND + 15, (url, seconds)

@@ -53,6 +53,8 @@ def _implementation(url: str):
     scheme = url.split("://", 1)[0]
     try:
         yield
+    except ConfigError:  # already one line (a ValueError too)
+        raise
     except ImportError:
         package, extra = _PACKAGES.get(scheme, (f"an fsspec implementation of {scheme}://", None))
         hint = f" (pip install 'torchtitan_xla[{extra}]')" if extra else ""
@@ -62,10 +64,21 @@ def _implementation(url: str):
 
 
 def filesystem(url: str):
-    """(fsspec file system, its path) of a URL; a missing package is one line naming the extra."""
+    """(fsspec file system, its path) of a URL; a missing package is one line naming the extra.
+    The first use of each bucket in a process checks, in a child process given CHECK_SECONDS,
+    that it answers: without a network or credentials the libraries retry for a minute or more
+    and print pages of warnings and tracebacks before their error."""
     from fsspec.core import url_to_fs
+    from fsspec.registry import get_filesystem_class
 
     with _implementation(url):
+        if _bucket(url) not in _REACHED:
+            get_filesystem_class(url.split("://", 1)[0])  # a missing package: said without a child
+            # Before url_to_fs here: making the file system already looks for credentials.
+            reason = _probe(url, "read")
+            if reason is not None:
+                raise ConfigError(f"{url}: cannot reach the storage: {reason}")
+            _REACHED.add(_bucket(url))
         return url_to_fs(url)
 
 
@@ -197,12 +210,13 @@ def describe(e: BaseException) -> str:
     return first_line(e, limit=200)
 
 
-# A URL's write check runs in a child process, which is given up on after WRITE_CHECK_SECONDS:
+# A URL's first read and its write check run in a child process, given up on after CHECK_SECONDS:
 # without a network the libraries retry for a minute or more (gcsfs 6 times over ~35 s, google-auth
 # asks the metadata server), and log, warn and print tracebacks as they go (the child's stderr is
 # dropped). What the child found comes back on its stdout, one JSON object a line after _MARK.
-WRITE_CHECK_SECONDS = 20
-_MARK = "ttx-write-check "
+CHECK_SECONDS = 20
+_MARK = "ttx-storage-check "
+_REACHED: set[str] = set()  # the buckets this process has reached
 _PROBE = f"""
 import json, logging, sys
 def say(**report):
@@ -218,8 +232,11 @@ for name in ("gcsfs", "s3fs"):
 try:
     from fsspec.core import url_to_fs
     fs, path = url_to_fs(sys.argv[1])
-    fs.pipe_file(path, b"")
-    fs.rm_file(path)
+    if sys.argv[2] == "write":
+        fs.pipe_file(path, b"")
+        fs.rm_file(path)
+    else:
+        fs.info(path)
     say(ok=True)
 except Exception as e:
     say(error=type(e).__name__, text=str(e), missing=isinstance(e, FileNotFoundError),
@@ -239,13 +256,20 @@ def _reason(report: dict) -> str:
     return f"{report['error']}: {text}" if text else report["error"]
 
 
-def _write_check(url: str) -> str | None:
-    """None if an empty object can be written to `url` and deleted; otherwise why not, in a line."""
+def _bucket(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _probe(url: str, op: str) -> str | None:
+    """None if `op` succeeds on `url` ("write": an empty object written and deleted; "read": its
+    metadata, where an object that is missing or forbidden counts as an answer, which the caller's
+    own call then reports); otherwise why not, in a line."""
     with tempfile.TemporaryFile("w+") as out:
-        child = subprocess.Popen([sys.executable, "-c", _PROBE, url], stdin=subprocess.DEVNULL,
+        child = subprocess.Popen([sys.executable, "-c", _PROBE, url, op], stdin=subprocess.DEVNULL,
                                  stdout=out, stderr=subprocess.DEVNULL)
         try:
-            child.wait(timeout=WRITE_CHECK_SECONDS)
+            child.wait(timeout=CHECK_SECONDS)
             timed_out = False
         except subprocess.TimeoutExpired:
             child.kill()
@@ -255,10 +279,11 @@ def _write_check(url: str) -> str | None:
         reports = [json.loads(line.split(_MARK, 1)[1]) for line in out if _MARK in line]
     outcome = next((r for r in reports if "ok" in r or "error" in r), None)
     if outcome is not None:
-        return None if "ok" in outcome else _reason(outcome)
+        answered = op == "read" and (outcome.get("missing") or outcome.get("denied"))
+        return None if "ok" in outcome or answered else _reason(outcome)
     logged = [r["logged"] for r in reports if "logged" in r]
     if timed_out:
-        return (f"gave up after {WRITE_CHECK_SECONDS} s" +
+        return (f"gave up after {CHECK_SECONDS} s" +
                 (f" (last error: {logged[-1]})" if logged else " (no answer)"))
     return f"the check exited with code {child.returncode}" + (f" ({logged[-1]})" if logged else "")
 
@@ -268,7 +293,7 @@ def check_writable(folder: str | Path, key: str) -> None:
     will be created). Run at start, so that a bad location is not found at the first checkpoint,
     after the training before it; nothing is left behind. A URL gets a probe object written and
     deleted (its bucket must exist: buckets are not created), in a child process given
-    WRITE_CHECK_SECONDS; what the storage libraries log or print meanwhile is not shown."""
+    CHECK_SECONDS; what the storage libraries log or print meanwhile is not shown."""
     folder = str(folder)
     if is_url(folder):
         from fsspec.registry import get_filesystem_class
@@ -278,9 +303,10 @@ def check_writable(folder: str | Path, key: str) -> None:
                 get_filesystem_class(folder.split("://", 1)[0])
         except ConfigError as e:
             raise ConfigError(f"{key}: {e}") from None
-        reason = _write_check(join(folder, f".write-check-{uuid.uuid4().hex}"))
+        reason = _probe(join(folder, f".write-check-{uuid.uuid4().hex}"), "write")
         if reason is not None:
             raise ConfigError(f"{key}: cannot write to {folder}: {reason}")
+        _REACHED.add(_bucket(folder))
         return
     existing = Path(folder)
     while not existing.exists() and existing.parent != existing:

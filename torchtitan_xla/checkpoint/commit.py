@@ -104,6 +104,19 @@ def purge(folder: str, keep_latest_k: int) -> None:
         delete_step(step_folder(folder, step))
 
 
+def model_mismatch(saved: dict, model_state: dict) -> str | None:
+    """Why a checkpoint's tensors (its DCP metadata, `saved`) cannot be the model's, in a few
+    words; None when every tensor of `model_state` is there with its shape."""
+    names = {name: saved.get(f"model.{name}") for name in model_state}
+    missing = [name for name, meta in names.items() if meta is None]
+    if missing:
+        return f"{len(missing)} of this model's {len(names)} tensors are not in it, e.g. {missing[0]}"
+    shapes = [f"{name} {tuple(meta.size)} against {tuple(model_state[name].shape)}"
+              for name, meta in names.items()
+              if hasattr(meta, "size") and tuple(meta.size) != tuple(model_state[name].shape)]
+    return f"{len(shapes)} tensors have other shapes, e.g. {shapes[0]}" if shapes else None
+
+
 def dcp_failure(e: BaseException) -> str:
     """One line for a failed DCP load or save. DCP wraps each rank's error in a
     CheckpointException, a BaseException whose own text is a traceback: report the first wrapped

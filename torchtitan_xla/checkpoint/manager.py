@@ -58,13 +58,12 @@ def _loader_key(host_rank: int) -> str:
     return f"dataloader/host_{host_rank}"
 
 
-def _saved_loader_hosts(path: str) -> int:
-    """How many hosts saved a data-loader state into this checkpoint step."""
+def _saved_metadata(path: str) -> dict[str, Any]:
+    """The checkpoint step's DCP metadata: each saved key and its tensor's size."""
     try:
-        keys = commit.reader(path).read_metadata().state_dict_metadata
+        return commit.reader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise DamagedCheckpoint(f"metadata unreadable: {type(e).__name__}") from None
-    return sum(k.startswith("dataloader/host_") for k in keys)
 
 
 def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
@@ -300,8 +299,13 @@ class CheckpointManager:
         loader_key = _loader_key(self.host_rank)
         for key in exclude:
             states.pop(loader_key if key == "dataloader" else key, None)
+        saved = _saved_metadata(path)
+        mismatch = commit.model_mismatch(saved, states.get("model", {}))
+        if mismatch:  # another flavor or [lora] / [moe] settings wrote it: not damaged, no fallback
+            raise ConfigError(f"[checkpoint] folder: {path} holds another model's weights ({mismatch}); "
+                              f"resume with the config that wrote it, or start in a new [job] dump_folder")
         if loader_key in states:
-            saved_hosts = _saved_loader_hosts(path)
+            saved_hosts = sum(k.startswith("dataloader/host_") for k in saved)
             if saved_hosts != self.host_count:
                 raise ConfigError(
                     f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "

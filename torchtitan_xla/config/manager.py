@@ -222,13 +222,14 @@ def _validate(cfg: JobConfig, sources: Sources) -> None:
     check_combinations(cfg, sources)
 
 
-def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build the JobConfig from defaults, then the TOML file, then command-line flags."""
+def parse_args(argv: list[str] | None = None, *, usage: str | None = None) -> JobConfig:
+    """Build the JobConfig from defaults, then the TOML file, then command-line flags. `-h` /
+    `--help` prints every option under `usage` (the entry point's own; train.py's by default)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        from torchtitan_xla.config.reference import help_text
+        from torchtitan_xla.config.reference import TRAIN_USAGE, help_text
 
-        print(help_text())
+        print(help_text(usage or TRAIN_USAGE))
         raise SystemExit(0)
     pairs = _split_cli(argv)
     cfg = JobConfig()

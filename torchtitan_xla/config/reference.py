@@ -24,9 +24,13 @@ def _default_text(f: dataclasses.Field) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def help_text() -> str:
+TRAIN_USAGE = "usage: train.py [--job.config_file FILE] [--section.key VALUE ...]"
+
+
+def help_text(usage: str = TRAIN_USAGE) -> str:
+    """Every option with its type, default and help, under `usage` (the program's own lines)."""
     lines = [
-        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...]",
+        usage.rstrip(),
         "",
         "Precedence: command line > TOML file > default. Booleans: --section.key, "
         "--section.no-key or --section.key false. Lists: a,b,c.",

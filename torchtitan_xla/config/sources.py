@@ -54,17 +54,32 @@ def where(job_config: Any, section: str, key: str) -> str:
 
 def attribute(message: str, job_config: Any) -> str:
     """`message` with a leading `[section] key` replaced by where that key's value was set, and the
-    origins of the section's other keys it names (`x (64) must divide y (3)`) added at the end."""
+    origins of the other keys it names (`x (64) must divide y (3)`) added at the end: any set key of
+    the same section, and of other sections those whose names cannot be plain words (`seq_len`)."""
     m = _KEY.match(message)
     if not m:
-        return message
+        return _attribute_path(message, job_config)
     section, key = m.group(1), m.group(2)
     rest = message[m.end():]
     sources = sources_of(job_config)
     found = [(hit.start(), k, sources.origin(s, k)) for (s, k) in sources.keys()
-             if s == section and k != key and (hit := re.search(rf"\b{k}\b", rest))]
+             if (s == section and k != key or s != section and "_" in k)
+             and (hit := re.search(rf"\b{k}\b", rest))]
     named = [f"{k} from {'the command line' if o == COMMAND_LINE else o}" for _, k, o in sorted(found)]
     return where(job_config, section, key) + rest + (f" ({'; '.join(named)})" if named else "")
+
+
+def _attribute_path(message: str, job_config: Any) -> str:
+    """`message` that starts with a path or URL a key was set to (storage errors know the URL, not
+    the key) with where that key was set in front."""
+    sources = sources_of(job_config)
+    paths = [(value, s, k) for s, k in sources.keys() if (s, k) != ("job", "config_file")
+             and isinstance(value := getattr(getattr(job_config, s, None), k, None), str)
+             and ("/" in value or "://" in value) and message.startswith(value)]
+    if not paths:
+        return message
+    _, section, key = max(paths, key=lambda p: len(p[0]))
+    return f"{where(job_config, section, key)}: {message}"
 
 
 @contextmanager

@@ -19,6 +19,12 @@ from pathlib import Path
 from torchtitan_xla.config import JobConfig, attributed, parse_args
 from torchtitan_xla.errors import ConfigError, run_main
 
+USAGE = ("usage: python -m torchtitan_xla.eval --job.config_file FILE --eval.tasks KIND:PATH[,...] "
+         "[--eval.checkpoint STEP_OR_HF_FOLDER] [--section.key VALUE ...]\n\n"
+         "Zero-shot tasks (multiple_choice, lambada, perplexity; docs/evaluation.md) on a checkpoint "
+         "step, a HuggingFace folder, or (unset) the newest checkpoint of the config's run. The "
+         "options are train.py's:")
+
 
 def _weights(job_config: JobConfig) -> tuple[str | Path, bool]:
     """(the folder to load, whether it is a HuggingFace folder), checked before XLA starts."""
@@ -111,7 +117,7 @@ def main(job_config: JobConfig) -> dict:
 
 
 def cli() -> None:
-    job_config = parse_args()
+    job_config = parse_args(usage=USAGE)
     with attributed(job_config):  # an error names the file or flag that set its key
         main(job_config)
 

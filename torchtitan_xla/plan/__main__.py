@@ -12,6 +12,10 @@ from torchtitan_xla.errors import ConfigError, run_main
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
 GiB = 2**30
+USAGE = ("usage: python -m torchtitan_xla.plan --job.config_file FILE [--plan.tpu SLICE] "
+         "[--section.key VALUE ...]\n\n"
+         "Whether the job fits the TPU slice's memory, its collectives and roofline, from the config "
+         "alone. Exit 0: fits; 1: does not fit; 2: bad input. The options are train.py's:")
 
 
 def _gib(n: float) -> str:
@@ -65,7 +69,7 @@ def report(plan, cfg) -> str:
 def main(argv: list[str]) -> int:
     from torchtitan_xla.plan import build_plan
 
-    cfg = parse_args(argv)
+    cfg = parse_args(argv, usage=USAGE)
     if not cfg.plan.tpu:
         raise ConfigError(f"{where(cfg, 'plan', 'tpu')} is not set: name the slice to plan for, "
                           f"e.g. --plan.tpu v5p-256")

@@ -12,6 +12,8 @@ import importlib.metadata
 import os
 from collections.abc import Mapping, MutableMapping
 
+from torchtitan_xla.errors import ConfigError
+
 # The torch_xla release this layer's private calls (torch_xla._XLAC) were written and tested for.
 TORCH_XLA_VERSION = "2.9.0"
 
@@ -49,6 +51,12 @@ def configure(step_compiler: str, env: MutableMapping[str, str] = os.environ) ->
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GSPMD notice
     env["XLA_DISABLE_FUNCTIONALIZATION"] = "1" if step_compiler == "replay" else "0"
     if env.get("PJRT_DEVICE") == "CPU":
+        count = env.get("CPU_NUM_DEVICES", "").strip()
+        if not count:  # empty is unset, as run_train.sh reads it
+            env.pop("CPU_NUM_DEVICES", None)
+        elif not (count.isdigit() and int(count) > 0):  # XLA would start with no device
+            raise ConfigError(f"CPU_NUM_DEVICES={count!r}: expected a positive integer (the number "
+                              f"of virtual XLA CPU devices; unset, run_train.sh chooses)")
         env["XLA_FLAGS"] = cpu_xla_flags(env.get("XLA_FLAGS", ""), cpu_features())
 
 
