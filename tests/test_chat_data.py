@@ -366,5 +366,7 @@ def test_a_bad_chat_file_stops_train_py_with_one_line(tmp_path, line, problem):
     run = run_train(tiny_args(out, "--training.dataset", "chat", "--training.dataset_path",
                               str(path)))
     assert run.returncode == 2, run.stderr[-3000:]
-    assert run.stderr.strip().splitlines()[-1] == f"error: {path}:3: {problem}"
+    # The file and line, after the flag that named the file.
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: command line: --training.dataset_path: {path}:3: {problem}")
     assert "Traceback" not in run.stderr and not run.losses and not out.exists()

@@ -494,7 +494,7 @@ def test_a_bad_document_line_stops_train_py_with_one_line(tmp_path):
                               "--training.dataset_path", str(path)))
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == (
-        f"error: {path}:4: not a JSON object (Expecting value)")
+        f"error: command line: --training.dataset_path: {path}:4: not a JSON object (Expecting value)")
     assert "Traceback" not in run.stderr
 
 
