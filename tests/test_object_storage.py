@@ -212,22 +212,21 @@ def _offline(home, closed: int, silent: int) -> dict[str, str]:
 CHECK_BOUND = 20  # seconds: storage.CHECK_SECONDS, as docs/checkpoint.md states it
 
 
-def _check_time(url: str, folder, env) -> tuple[int, list[str], float]:
-    """train.py with its checkpoint folder at `url`, killed after 120 s: (exit code, stderr lines,
-    seconds from the log line just before the writable check to the process's end)."""
-    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *tiny_args(folder, "--checkpoint.enable",
-                          "--checkpoint.folder", url)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, env=env)
+def _timed_train(folder, env, *flags) -> tuple[int, list[str], float]:
+    """train.py with `flags`, killed after 120 s: (exit code, stderr lines, seconds from its last
+    log line (the one before the bucket check) to the process's end)."""
+    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *tiny_args(folder, *flags)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     killer = threading.Timer(120, p.kill)
     killer.start()
-    lines, started = [], time.perf_counter()
+    lines, logged = [], time.perf_counter()
     for line in p.stderr:
         lines.append(line.rstrip("\n"))
-        if "Starting job" in line:
-            started = time.perf_counter()
+        if line.startswith("[titan-xla "):
+            logged = time.perf_counter()
     p.wait()
     killer.cancel()
-    return p.returncode, lines, time.perf_counter() - started
+    return p.returncode, lines, time.perf_counter() - logged
 
 
 def test_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
@@ -241,7 +240,8 @@ def test_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
         silent.listen(64)  # never accepted: connections open, requests are never answered
         env = _offline(tmp_path / "home", free_port(), silent.getsockname()[1])
         with ThreadPoolExecutor(2) as pool:
-            runs = list(pool.map(lambda url: _check_time(url, tmp_path / url[:2], env),
+            runs = list(pool.map(lambda url: _timed_train(tmp_path / url[:2], env, "--checkpoint.enable",
+                                                          "--checkpoint.folder", url),
                                  ["gs://bucket/run", "s3://bucket/run"]))
     for url, (code, lines, seconds) in zip(["gs://bucket/run", "s3://bucket/run"], runs):
         # Only the project's own "Starting job" log line before the one error line (no warnings,
@@ -253,23 +253,6 @@ def test_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
     # gs://: the reason it kept retrying is in the line.
     assert "(last error: _request retrying after exception: Cannot connect to host 127.0.0.1" in runs[0][1][1]
     assert storage.CHECK_SECONDS == CHECK_BOUND
-
-
-def _read_time(folder, env, *flags) -> tuple[int, list[str], float]:
-    """train.py reading from a bucket: (exit code, stderr lines, seconds from its last log line
-    before the error to the process's end), killed after 120 s."""
-    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *tiny_args(folder, *flags)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    killer = threading.Timer(120, p.kill)
-    killer.start()
-    lines, logged = [], time.perf_counter()
-    for line in p.stderr:
-        lines.append(line.rstrip("\n"))
-        if line.startswith("[titan-xla "):
-            logged = time.perf_counter()
-    p.wait()
-    killer.cancel()
-    return p.returncode, lines, time.perf_counter() - logged
 
 
 def test_reading_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_path):
@@ -286,7 +269,7 @@ def test_reading_an_unreachable_bucket_is_one_line_exit_2_within_the_bound(tmp_p
         env = _offline(tmp_path / "home", free_port(), silent.getsockname()[1])
         env.pop("XLA_USE_SPMD", None)  # this test process's (conftest); torch_xla warns about it
         with ThreadPoolExecutor(2) as pool:
-            runs = list(pool.map(lambda c: _read_time(tmp_path / c[1][:2], env, c[0], c[1], *c[2]), cases))
+            runs = list(pool.map(lambda c: _timed_train(tmp_path / c[1][:2], env, c[0], c[1], *c[2]), cases))
     for (flag, url, _), (code, lines, seconds) in zip(cases, runs):
         assert code == 2 and all(line.startswith("[titan-xla ") for line in lines[:-1]), (url, [ln for ln in lines if not ln.startswith("[titan-xla ")])
         assert lines[-1].startswith(f"error: command line: {flag}: {url}: cannot reach the storage: "
