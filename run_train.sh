@@ -15,7 +15,9 @@
 #
 # First use creates ./.venv and installs the package, unless the active Python already has
 # torch_xla (a TPU VM). With no TPU it runs on the XLA CPU backend with as many virtual devices
-# as the config's parallel degrees need (or CPU_NUM_DEVICES, if set).
+# as the config's parallel degrees need (or CPU_NUM_DEVICES, if set). With --runtime.backend
+# native it starts one process per device with torchrun (on the CPU: one per device the degrees
+# ask for, or NPROC_PER_NODE).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -65,5 +67,16 @@ EXPORTS="$("$PY" -m torchtitan_xla.launch --exports "${ARGS[@]}")" || exit 2
 eval "$EXPORTS"
 if [[ "$MODE" == check-hosts ]]; then
   exec "$PY" -m torchtitan_xla.launch --check-hosts "${ARGS[@]}"
+fi
+if [[ "${TTX_RUNTIME:-xla}" == native ]]; then
+  # The native runtime: one process per device, started by torchrun (its variables tell each one
+  # its rank); on one host a private rendezvous on a free port.
+  if [[ -n "${NNODES:-}" ]]; then
+    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  else
+    RDZV=(--standalone)
+  fi
+  exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC_PER_NODE" \
+    "$REPO/train.py" "${ARGS[@]}"
 fi
 exec "$PY" "$REPO/train.py" "${ARGS[@]}"

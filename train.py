@@ -1,10 +1,11 @@
-"""Train Llama on XLA SPMD from a TOML config: the whole recipe, top to bottom.
+"""Train Llama from a TOML config: the whole recipe, top to bottom.
 
     CONFIG_FILE=./train_configs/debug_model.toml ./run_train.sh --training.steps 50
     python train.py --job.config_file train_configs/debug_model.toml --help
 
-One process per host drives all of the host's devices; every sharding is an annotation on one
-named mesh and XLA partitions the step. Each step is one compiled graph.
+Every sharding is a partition spec on one named mesh; the runtime (`[runtime] backend`) applies
+them: XLA SPMD (one process per host drives all its devices, one compiled graph per step), or
+native PyTorch distributed (one process per device, DTensors, torch.compile).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     depth or size without adding flavors)."""
     from torchtitan_xla import runtime
 
-    # Process-wide switches (functionalization, XLA's CPU flags) before XLA makes its first tensor.
+    # Process-wide switches (XLA: functionalization, its CPU flags) before the first tensor.
+    runtime.use(job_config.runtime.backend)
     runtime.configure(job_config.compile.step)
 
     import torch
@@ -53,7 +55,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         optimizer_state_tensors,
         step_with_lr,
     )
-    from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.parallelisms import BATCH_AXES, MESH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.storage import check_writable, join, makedirs, write_text
     from torchtitan_xla.utils import GarbageCollection, set_determinism
@@ -70,8 +72,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.last_save_in_hf:
         check_writable(join(dump_folder, job_config.checkpoint.folder), "[checkpoint] folder")
 
-    # Devices: SPMD from the first XLA call on, one mesh over every device of every host.
-    device = runtime.init_spmd()
+    # Devices: one mesh over every device of every host (XLA: SPMD from its first call on; native:
+    # the process group of one process per device).
+    device = runtime.init_devices(job_config.runtime.device)
     device_type = runtime.device_type()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     # Which host this is: the runtime's answer, or the launcher's where the runtime cannot know
@@ -86,21 +89,24 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     training = job_config.training
     global_batch = (training.global_batch_size if training.global_batch_size > 0
                     else training.local_batch_size * parallel_dims.dp_degree)
-    accumulation_steps = parallel_dims.check_batch(
-        global_batch, training.local_batch_size, training.seq_len, host_count)
     mesh = parallel_dims.build_mesh(device_type)
+    # Which block of the batch this process loads: its host's (XLA), or its data-parallel rank's
+    # (native: tensor-parallel peers load the same block).
+    data_rank, data_count = runtime.data_shard(mesh, BATCH_AXES, hosts)
+    accumulation_steps = parallel_dims.check_batch(
+        global_batch, training.local_batch_size, training.seq_len, data_count)
     logger.info(f"{runtime.device_count()} {device_type} devices, "
-                f"{host_count} host(s); mesh {dict(zip(mesh.axis_names, mesh.mesh_shape))}")
+                f"{host_count} host(s); mesh {dict(zip(MESH_AXES, parallel_dims.mesh_shape))}")
     seed = set_determinism(job_config.debug.seed, job_config.debug.deterministic)
 
     # Tokenizer and data: each host loads its share of the global batch.
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     # Batches arrive on the mesh, sharded over the batch axes and prefetched in the background;
-    # with several hosts each one holds only its slice of the batch dimension.
+    # each process holds only its block of the batch dimension.
+    input_sharding = runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=data_count)
     data_loader = build_data_loader(
-        job_config, tokenizer, batch_size=global_batch // host_count,
-        host_rank=host_rank, host_count=host_count, device=device,
-        input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=host_count))
+        job_config, tokenizer, batch_size=global_batch // data_count, host_rank=data_rank,
+        host_count=data_count, device=device, input_sharding=input_sharding)
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
@@ -124,12 +130,14 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     apply_attention_kernel(model, job_config.model.attention, mesh, device_type)
     apply_grouped_mm(model, job_config.moe.grouped_mm, mesh, device_type)
 
-    # Materialise on the XLA device. Tensors are lazy: nothing is computed or allocated until the
+    # Materialise on the device. XLA tensors are lazy: nothing is computed or allocated until the
     # sync below, so the shardings given by parallelize apply to the init computation itself.
+    # (Native: parameters are DTensors by now, each random one drawn whole and cut, as on one device.)
     model.to_empty(device=device)
     parallelize_llama(model, mesh, parallel_dims, job_config)
-    model.init_weights()
-    init_adapters(model)  # LoRA: A random, B zero, so the adapted model starts as the base model
+    with runtime.initialising():
+        model.init_weights()
+        init_adapters(model)  # LoRA: A random, B zero, so the adapted model starts as the base model
     model.train()
 
     optimizer = build_optimizer(model, job_config)
@@ -141,7 +149,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     checkpoint = CheckpointManager(
         job_config, model=model, model_args=model_args, optimizer=optimizer,
         lr_scheduler=lr_scheduler, data_loader=data_loader, train_state=train_state,
-        host_rank=host_rank, host_count=host_count, process_group=process_group)
+        host_rank=host_rank, host_count=host_count, process_group=process_group,
+        data_rank=data_rank, data_count=data_count)
     if job_config.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         if process_group is not None:
@@ -165,11 +174,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                   autocast_dtype=autocast_dtype, plain=True),
             make_loader=lambda: build_data_loader(
                 val_config, tokenizer,
-                batch_size=training.local_batch_size * parallel_dims.dp_degree // host_count,
-                host_rank=host_rank, host_count=host_count, infinite=False, drop_last=True,
-                device=device, input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None),
-                                                                     hosts=host_count)),
-            host_count=host_count)
+                batch_size=training.local_batch_size * parallel_dims.dp_degree // data_count,
+                host_rank=data_rank, host_count=data_count, infinite=False, drop_last=True,
+                device=device, input_sharding=input_sharding),
+            host_count=data_count)
 
     # Evaluation after the last step: its task files are read and checked now.
     eval_tasks = [parse_task(spec) for spec in job_config.eval.tasks] if job_config.eval.at_end else []
@@ -199,7 +207,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         if accumulation_steps == 1:
             return [t]
         t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
-        return [t[:, k].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
+        return [t[:, k:k + 1].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     # MoE: the router losses enter the backward pass inside each MoE block, weighted like the loss
@@ -226,18 +234,16 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             mb_loss.backward()
             loss = loss + mb_loss.detach()
             rank_token_losses.append(token_losses.detach())
+        grad_norm = runtime.kernels.total_norm([p.grad for p in trainable])  # over sharded grads
         if training.max_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, training.max_norm)
-        else:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad) for p in trainable]))
+            torch.nn.utils.clip_grads_with_norm_(trainable, training.max_norm, grad_norm)
         step_with_lr(optimizer, lrs)
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
         rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1) for c in microbatches(counted)], 1)
                         if packing else None)
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
-        stats = torch.stack([loss, grad_norm.detach(), max_loss])
-        return torch.cat([stats, torch.stack(router).mean(0)]) if router else stats
+        stats = torch.stack(runtime.whole([loss, grad_norm.detach(), max_loss]))
+        return torch.cat([stats, *runtime.whole([torch.stack(router).mean(0)])]) if router else stats
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break. With `replay` the graph is traced at the first two steps and then replayed, so
@@ -299,8 +305,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     checkpoint.close()
     if eval_tasks and train_state.step == training.steps:
         results = evaluate(model, tokenizer, job_config, eval_tasks, dp_degree=parallel_dims.dp_degree,
-                           device=device, sharding=runtime.input_sharding(mesh, (BATCH_AXES, None),
-                                                                        hosts=host_count),
+                           device=device, sharding=input_sharding,
                            progress=host_rank == 0 and sys.stderr.isatty())
         if host_rank == 0:
             write_results(results, join(dump_folder, job_config.eval.output_file))
@@ -308,7 +313,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         checkpoint.export_hf(train_state.step, tokenizer)
     if process_group is not None:
         torch.distributed.destroy_process_group()
-    logger.info(f"Training completed: {runtime.compile_stats()[0]} XLA compiles in total")
+    logger.info(f"Training completed: {runtime.compile_stats()[0]} compiles in total")
     return history
 
 

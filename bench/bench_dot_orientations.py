@@ -38,7 +38,7 @@ def main() -> None:
         # As run_train.sh on the CPU backend: without its malloc setting every run faults in the
         # product's temporary buffer afresh, which swamps the largest outputs' timings.
         sys.path.insert(0, str(REPO))
-        from torchtitan_xla.runtime.process import cpu_malloc_env
+        from torchtitan_xla.runtime.xla.process import cpu_malloc_env
 
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **cpu_malloc_env(os.environ)}
         sys.exit(subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env).returncode)

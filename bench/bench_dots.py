@@ -77,7 +77,7 @@ def main() -> None:
         child()
         return
     sys.path.insert(0, str(REPO))
-    from torchtitan_xla.runtime.process import cpu_malloc_env
+    from torchtitan_xla.runtime.xla.process import cpu_malloc_env
 
     # As run_train.sh on the CPU backend: the malloc variables you set win.
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",

@@ -40,7 +40,7 @@ def child(args: list[str]) -> None:
 
 
 def run(opts, chunk: int) -> dict:
-    from torchtitan_xla.runtime.compiled import dump_flags, read_buffer_assignments
+    from torchtitan_xla.runtime.xla.compiled import dump_flags, read_buffer_assignments
 
     with tempfile.TemporaryDirectory() as dump, tempfile.TemporaryDirectory() as xla:
         args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
@@ -69,7 +69,7 @@ def main() -> None:
     if opts.child:
         return child(json.loads(opts.child))
     sys.path.insert(0, str(REPO))
-    from torchtitan_xla.runtime.process import cpu_features, cpu_model, vector_features
+    from torchtitan_xla.runtime.xla.process import cpu_features, cpu_model, vector_features
 
     chunks = [int(c) for c in opts.chunks.split(",")]
     results = {c: run(opts, c) for c in [0, *chunks]}

@@ -35,7 +35,7 @@ sys.path[:0] = [{repo!r}, {bench!r}]
 from bench_train import xla_matmul_peak
 from torchtitan_xla import runtime
 runtime.configure("replay")  # as train.py does, before the matmul peak starts XLA
-runtime.init_spmd()
+runtime.init_devices()
 peak = xla_matmul_peak()
 import train
 from torchtitan_xla.config import parse_args

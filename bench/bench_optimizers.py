@@ -75,7 +75,7 @@ def losses(opts) -> None:
 
 
 def comms(opts) -> None:
-    from torchtitan_xla.runtime.compiled import collectives, dump_flags
+    from torchtitan_xla.runtime.xla.compiled import collectives, dump_flags
 
     mesh = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
             "--training.seq_len", "64"]

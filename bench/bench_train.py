@@ -83,7 +83,7 @@ def xla_worker(opts) -> None:
 
     # As train.py does, before XLA starts: the matmul peak below starts it, with train.py's flags.
     runtime.configure("replay")
-    runtime.init_spmd()
+    runtime.init_devices()
     n = opts.steps_per_round
     cfg = parse_args(train_args(opts) + ["--training.steps", str(2 * n), "--metrics.log_freq", str(n)])
 
@@ -175,7 +175,7 @@ def main() -> None:
     kinds = ["xla"] + ([] if opts.skip_eager else ["eager"])
     # Both workers get the malloc setting run_train.sh exports on the CPU backend (tcmalloc where
     # installed, glibc's huge pages; docs/performance.md, "Host memory"): the same for both.
-    from torchtitan_xla.runtime.process import cpu_features, cpu_malloc_env, cpu_model, vector_features
+    from torchtitan_xla.runtime.xla.process import cpu_features, cpu_malloc_env, cpu_model, vector_features
 
     malloc_env = cpu_malloc_env(os.environ)
     env = {**os.environ, **malloc_env}

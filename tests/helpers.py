@@ -202,7 +202,7 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
     compiled module there and each run lists its optimized HLO files ("hlo")."""
     env = None
     if xla_dump:
-        from torchtitan_xla.runtime.compiled import dump_flags
+        from torchtitan_xla.runtime.xla.compiled import dump_flags
 
         env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(xla_dump)}".strip()}
     p = subprocess.run([sys.executable, "-c", _MULTI_DRIVER.format(repo=str(REPO)), json.dumps(runs),

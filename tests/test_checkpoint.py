@@ -56,7 +56,7 @@ import json, sys, time
 import torch, torch_xla
 from torch.utils._pytree import tree_flatten
 import torchtitan_xla.checkpoint as ckpt
-import torchtitan_xla.runtime.checkpointing as checkpointing
+import torchtitan_xla.runtime.xla.checkpointing as checkpointing
 _write_snapshot, _device_snapshot = ckpt.CheckpointManager._write_snapshot, checkpointing.device_snapshot
 def write_snapshot(self, step, snapshot, model_only):
     while step == 3 and self.train_state.step < 4:
@@ -135,7 +135,7 @@ def test_async_mode_without_memory_for_the_snapshot_is_one_clear_line(monkeypatc
     # The out-of-memory itself cannot be provoked on the CPU backend without gigabytes of state;
     # the device's error is injected where the trial snapshot would raise it.
     import torchtitan_xla.checkpoint as ckpt
-    import torchtitan_xla.runtime.checkpointing as checkpointing
+    import torchtitan_xla.runtime.xla.checkpointing as checkpointing
 
     def no_memory(states):
         raise RuntimeError(device_error)

@@ -324,8 +324,16 @@ def test_synthetic_tokens_are_deterministic_per_host_and_resumable():
     assert same(a, take(iter(loader(*args, batch_size=4, tokenizer=tok)), 6))
     assert all(0 <= int(x[0].min()) and int(x[0].max()) < tok.n_words for x in a)
     assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # labels are inputs shifted by one
-    other = take(iter(loader(*args, batch_size=4, tokenizer=tok, host_rank=1, host_count=2)), 1)
-    assert not torch.equal(other[0][0], a[0][0])
+    # The global batch is the same however many hosts (or native-runtime processes) and loader
+    # workers split it: host r holds rows [2r, 2r + 2) of each step's 4.
+    halves = [take(iter(loader(*args, batch_size=2, tokenizer=tok, host_rank=r, host_count=2)), 6)
+              for r in (0, 1)]
+    assert not torch.equal(halves[1][0][0], halves[0][0][0])
+    for step in range(6):
+        assert torch.equal(torch.cat([halves[0][step][0], halves[1][step][0]]), a[step][0])
+    workers = loader(*args, "--training.num_workers", "2", batch_size=4, tokenizer=tok)
+    assert same(take(iter(workers), 6), a)
+    workers.close()
     dl = loader(*args, batch_size=4, tokenizer=tok)
     take(iter(dl), 2)
     state = dl.state_dict()

@@ -22,7 +22,7 @@ from torchtitan_xla.launch import (
     tpu_hosts_per_slice,
 )
 from torchtitan_xla.runtime import process
-from torchtitan_xla.runtime.process import find_tcmalloc
+from torchtitan_xla.runtime.xla.process import find_tcmalloc
 
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 

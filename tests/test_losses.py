@@ -80,7 +80,7 @@ def _compiled_step(tmp_path, *loss_flags: str) -> tuple[dict, object]:
 
     from helpers import tiny_args, train_run
 
-    from torchtitan_xla.runtime.compiled import dump_flags, read_buffer_assignments
+    from torchtitan_xla.runtime.xla.compiled import dump_flags, read_buffer_assignments
 
     dump = tmp_path / "xla_dump"
     flags = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(dump)}".strip()

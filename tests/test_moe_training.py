@@ -111,7 +111,7 @@ def test_tokens_reach_their_experts_by_all_to_all_and_experts_stay_split(mesh, e
     from torchtitan_xla.parallelisms import ParallelDims
     from torchtitan_xla.plan import comms
     from torchtitan_xla.plan.memory import build_meta_model
-    from torchtitan_xla.runtime.compiled import collective_ops
+    from torchtitan_xla.runtime.xla.compiled import collective_ops
 
     modules = [Path(f).read_text() for f in eight_devices[mesh]["hlo"]]
     ops = collective_ops(max(modules, key=len))  # the training step's module

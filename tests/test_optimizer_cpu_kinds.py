@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import REPO, tiny_args
 
-from torchtitan_xla.runtime.process import cpu_features
+from torchtitan_xla.runtime.xla.process import cpu_features
 
 STEPS = 4  # steps 1-2 are traced, 3-4 replay the compiled step
 SMALL = {"n_layers": 1, "dim": 64, "n_heads": 4}  # hidden weights 64x64, 256x64 (tall), 64x256

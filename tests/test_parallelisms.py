@@ -336,7 +336,7 @@ def test_scan_refuses_torchax_files_overwritten_by_torch_xla(monkeypatch):
     import importlib.metadata
     import types
 
-    from torchtitan_xla.runtime.kernels import check_torchax
+    from torchtitan_xla.runtime.xla.kernels import check_torchax
 
     installed = importlib.metadata.version("torchax")
     check_torchax()  # the environment the suite runs in has the right files

@@ -10,7 +10,7 @@ import sys
 
 from helpers import REPO
 
-from torchtitan_xla.runtime.process import TORCH_XLA_VERSION, version_warning
+from torchtitan_xla.runtime.xla.process import TORCH_XLA_VERSION, version_warning
 
 PACKAGE = REPO / "torchtitan_xla"
 RUNTIME = PACKAGE / "runtime"
@@ -60,10 +60,25 @@ def test_only_the_runtime_layer_touches_torch_xla_or_the_environment():
         offenders += [f"{where}:{line}: changes os.environ" for line in _environ_writes(tree)]
     assert offenders == []
     # The check sees what it looks for: the runtime layer does all of it.
-    runtime_text = "".join(p.read_text() for p in RUNTIME.glob("*.py"))
+    runtime_text = "".join(p.read_text() for p in RUNTIME.rglob("*.py"))
     assert "_XLAC" in runtime_text and "torch_xla" in _imports(ast.parse(runtime_text))
     assert _environ_writes(ast.parse("import os\nos.environ['XLA_FLAGS'] = ''\n"
                                      "os.environ.setdefault('PJRT_DEVICE', 'CPU')\n")) == [2, 3]
+
+
+def test_the_shared_code_asks_the_runtime_interface_and_no_runtime_asks_the_other():
+    """Outside runtime/, only `torchtitan_xla.runtime` itself is imported (its interface answers
+    from the chosen runtime); runtime/xla and runtime/native never import each other."""
+    implementations = ("torchtitan_xla.runtime.xla", "torchtitan_xla.runtime.native")
+    offenders = [f"{p.relative_to(REPO)}: imports {m}" for p in OUTSIDE
+                 for m in _imports(ast.parse(p.read_text())) if m.startswith(implementations)]
+    for mine, other in (("xla", "native"), ("native", "xla")):
+        offenders += [f"{p.relative_to(REPO)}: imports {m}" for p in (RUNTIME / mine).rglob("*.py")
+                      for m in _imports(ast.parse(p.read_text()))
+                      if m.startswith(f"torchtitan_xla.runtime.{other}")]
+    assert offenders == []
+    assert {p.name for p in (RUNTIME / "xla").glob("*.py")} >= {
+        p.name for p in (RUNTIME / "native").glob("*.py")}  # the same modules on both sides
 
 
 def test_validating_a_config_and_planning_the_launch_never_import_torch():

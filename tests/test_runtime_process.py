@@ -15,7 +15,7 @@ from helpers import REPO
 from torchtitan_xla.config import parse_args
 from torchtitan_xla.launch import host_env, resolve_hosts
 from torchtitan_xla.runtime import process
-from torchtitan_xla.runtime.process import cpu_malloc_env, cpu_xla_flags, find_tcmalloc
+from torchtitan_xla.runtime.xla.process import cpu_malloc_env, cpu_xla_flags, find_tcmalloc
 
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 

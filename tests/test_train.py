@@ -31,7 +31,7 @@ def test_default_job_learns_through_run_train_sh(tmp_path):
     assert losses[40] < losses[1] - 1.0, losses  # measured: 8.16 -> 6.44
     assert "mesh {'dp_replicate': 1, 'fsdp': 1, 'ep': 1, 'tp': 1}" in run.stderr  # 1 device by default
     # One compile for init, one for the training step; none after.
-    assert "Training completed: 2 XLA compiles in total" in run.stderr
+    assert "Training completed: 2 compiles in total" in run.stderr
     saved = parse_args(["--job.config_file", str(dump / "config.toml")])
     assert saved.training.steps == 40 and saved.model.flavor == "debugmodel"
 

@@ -84,7 +84,9 @@ def float8_dot(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale:
 @float8_dot.register_kernel("xla")
 def _float8_dot_xla(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype):
     """On XLA: one HLO `dot` with float8 operands and a float32 result."""
-    from torchtitan_xla.runtime.kernels import dot_f32
+    from torchtitan_xla import runtime
+
+    dot_f32 = runtime.kernels.dot_f32
 
     return _float8_dot(dot_f32, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from torchtitan_xla import runtime
 from torchtitan_xla.config import JobConfig
-from torchtitan_xla.runtime import kernels
 
 IGNORE_INDEX = -100
 
@@ -80,7 +80,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             loss = torch.where(y != IGNORE_INDEX, loss, 0.0)
             return w, (loss.view(xs[1].shape), lse.view(xs[1].shape))
 
-        _, (losses, lse) = kernels.scan(step, weight.to(dtype), (_chunks(h, chunk), _chunks(labels, chunk)))
+        _, (losses, lse) = runtime.kernels.scan(step, weight.to(dtype),
+                                                (_chunks(h, chunk), _chunks(labels, chunk)))
         ctx.save_for_backward(h, weight, labels, lse)
         ctx.chunk, ctx.label_smoothing, ctx.z_loss, ctx.dtype = chunk, label_smoothing, z_loss, dtype
         return _unchunk(losses)
@@ -110,7 +111,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape if need_w else (), dtype=acc, device=weight.device)
         init = (weight.to(dtype), grad_w)
         xs = (*(_chunks(t, ctx.chunk) for t in (h, labels, grad)), lse)  # lse is kept chunked
-        (_, grad_w), (grad_h,) = kernels.scan(step, init, xs)
+        (_, grad_w), (grad_h,) = runtime.kernels.scan(step, init, xs)
         return _unchunk(grad_h), grad_w.to(weight.dtype) if need_w else None, None, None, None, None, None
 
 
@@ -134,7 +135,7 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
     `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
     cfg = job_config.loss
     smoothing, z = (0.0, 0.0) if plain else (cfg.label_smoothing, cfg.z_loss_weight)
-    autocast = dict(device_type="xla", dtype=autocast_dtype or torch.bfloat16,
+    autocast = dict(device_type=runtime.autocast_device_type(), dtype=autocast_dtype or torch.bfloat16,
                     enabled=autocast_dtype is not None)
 
     def full(model, inputs, labels, *packing):

@@ -146,7 +146,7 @@ def write_text(path: str, text: str) -> None:
         fs, p = filesystem(path)
         fs.pipe_file(p, data)
         return
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # processes sharing the folder write the same file
     Path(tmp).write_bytes(data)
     os.replace(tmp, path)
 

@@ -1,5 +1,6 @@
 """Checkpoints: the commit protocol (`commit`), the manager that saves and resumes the run
-(`manager`), HuggingFace export and import (`hf`), and stopping on preemption (`preemption`)."""
+(`manager`), HuggingFace export and import (`hf`), torchtitan's step folders as initial weights
+(`torchtitan`), and stopping on preemption (`preemption`)."""
 
 from torchtitan_xla.checkpoint.commit import (
     COMMIT_FILE,

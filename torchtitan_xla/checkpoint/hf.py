@@ -213,8 +213,7 @@ def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
         # Transfer, then shard before it is used: copying a host tensor straight into a sharded
         # parameter would leave the parameter replicated.
         t = full.to(device=param.device, dtype=param.dtype)
-        runtime.mark_sharding(t, mesh, partition_spec(param))
-        param.copy_(t)
+        param.copy_(runtime.place(t, mesh, partition_spec(param)))
 
 
 def load_hf_into_model(model: torch.nn.Module, args: ModelArgs, hf_dir: str | Path, mesh) -> None:

@@ -30,13 +30,12 @@ from typing import Any
 import torch
 
 from torchtitan_xla import runtime, storage
-from torchtitan_xla.checkpoint import commit
+from torchtitan_xla.checkpoint import commit, torchtitan
 from torchtitan_xla.checkpoint.commit import LORA_FILE, MODEL_ARGS_FILE, DamagedCheckpoint
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError, RunError, first_line
 from torchtitan_xla.logging import logger
 from torchtitan_xla.lora import is_adapter
-from torchtitan_xla.runtime import checkpointing
 
 
 @dataclass
@@ -74,13 +73,14 @@ def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
     commit.quiet_dcp()
     with torch.no_grad():
         dcp.load(states, storage_reader=commit.reader(path),
-                 planner=checkpointing.load_planner(), process_group=process_group)
+                 planner=runtime.checkpointing.load_planner(), process_group=process_group)
 
 
 class CheckpointManager:
     def __init__(self, job_config: JobConfig, *, model: torch.nn.Module, model_args, optimizer,
                  lr_scheduler, data_loader, train_state: TrainState, host_rank: int = 0,
-                 host_count: int = 1, process_group=None):
+                 host_count: int = 1, process_group=None, data_rank: int | None = None,
+                 data_count: int | None = None):
         self.cfg = job_config.checkpoint
         self.model_args = model_args
         # The [lora] settings, saved beside the weights: exports merge or rename the adapters.
@@ -91,6 +91,10 @@ class CheckpointManager:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.data_loader, self.train_state = data_loader, train_state
         self.host_rank, self.host_count = host_rank, host_count
+        # Whose data-loader state this process saves: its block of the batch (its host's on XLA,
+        # its data-parallel rank's on the native runtime, where tensor-parallel peers share one).
+        self.data_rank = host_rank if data_rank is None else data_rank
+        self.data_count = host_count if data_count is None else data_count
         self.process_group = process_group
         self._executor = ThreadPoolExecutor(max_workers=1) if self.cfg.async_mode == "async" else None
         # Writes use their own process group: an async write's collectives run in a background
@@ -111,9 +115,9 @@ class CheckpointManager:
         does not pay for memory the process never touched (docs/performance.md)."""
         start = time.perf_counter()
         try:
-            checkpointing.device_snapshot(self._states(model_only=False))
+            runtime.checkpointing.device_snapshot(self._states(model_only=False))
         except RuntimeError as e:
-            if not checkpointing.is_out_of_memory(e):
+            if not runtime.checkpointing.is_out_of_memory(e):
                 raise
             raise ConfigError(
                 "[checkpoint] async_mode = \"async\" needs device memory for a second copy of the "
@@ -136,7 +140,7 @@ class CheckpointManager:
         # Each host saves its own loader state (hosts read different data), pickled, under a
         # top-level key of its own: of a key several hosts write DCP keeps one copy, and torch_xla's
         # planner stores a dict without tensors as one key. The host count is checked on load.
-        states[_loader_key(self.host_rank)] = pickle.dumps(self.data_loader.state_dict())
+        states[_loader_key(self.data_rank)] = pickle.dumps(self.data_loader.state_dict())
         return states
 
     # ---- saving -----------------------------------------------------------------------------
@@ -160,11 +164,11 @@ class CheckpointManager:
             states["model"] = {k: v.to(dtype) for k, v in states["model"].items()}
         if self._executor is None:
             runtime.materialise()
-            self._write(step, checkpointing.host_copy(states), model_only)
+            self._write(step, runtime.checkpointing.host_copy(states), model_only)
         else:
             # Only the device-side snapshot blocks the loop; the copy to host memory and the
             # write run in the background while training continues.
-            snapshot = [checkpointing.device_snapshot(states)]
+            snapshot = [runtime.checkpointing.device_snapshot(states)]
             self._pending = self._executor.submit(self._write_snapshot, step, snapshot, model_only)
         blocked = time.perf_counter() - start
         # Waiting means saves come faster than they are written: the interval is too short.
@@ -177,7 +181,7 @@ class CheckpointManager:
         start = time.perf_counter()
         # Popped, so the device copy is freed as soon as the host has its own, not after the
         # (longer) disk write.
-        staged = checkpointing.host_copy(snapshot.pop())
+        staged = runtime.checkpointing.host_copy(snapshot.pop())
         logger.info(f"Checkpoint step-{step}: copied to host memory in {time.perf_counter() - start:.2f}s")
         self._write(step, staged, model_only)
 
@@ -195,7 +199,7 @@ class CheckpointManager:
             self._barrier()
             commit.quiet_dcp()
             dcp.save(states, storage_writer=commit.writer(path),
-                     planner=checkpointing.save_planner(), process_group=self._write_group)
+                     planner=runtime.checkpointing.save_planner(), process_group=self._write_group)
             if self.host_rank == 0:
                 # What the weights are, so converters need neither the config nor the tokenizer.
                 storage.write_text(storage.join(path, MODEL_ARGS_FILE), model_args_to_json(self.model_args))
@@ -296,7 +300,7 @@ class CheckpointManager:
         exclude = set(self.cfg.exclude_from_loading)
         model_only = contents == {"model"}
         states = self._states(model_only=model_only)
-        loader_key = _loader_key(self.host_rank)
+        loader_key = _loader_key(self.data_rank)
         for key in exclude:
             states.pop(loader_key if key == "dataloader" else key, None)
         saved = _saved_metadata(path)
@@ -306,10 +310,10 @@ class CheckpointManager:
                               f"resume with the config that wrote it, or start in a new [job] dump_folder")
         if loader_key in states:
             saved_hosts = sum(k.startswith("dataloader/host_") for k in saved)
-            if saved_hosts != self.host_count:
+            if saved_hosts != self.data_count:
                 raise ConfigError(
                     f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
-                    f"this run has {self.host_count}; add dataloader to "
+                    f"this run loads data on {self.data_count}; add dataloader to "
                     f"[checkpoint] exclude_from_loading to restart the data from the beginning")
         # The tensors loaded into may still be in flight (the initial weights' computation runs
         # asynchronously): torch_xla's load planner needs their data.
@@ -324,7 +328,13 @@ class CheckpointManager:
             self.train_state.step = record["step"]
             return
         if "optimizer" in states:
+            # How this process runs the update (capturable on an XLA device, not on the CPU) is
+            # its own, whichever runtime saved the state.
+            how = [{k: g[k] for k in ("capturable", "foreach") if k in g}
+                   for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(states["optimizer"])
+            for group, kept in zip(self.optimizer.param_groups, how):
+                group.update(kept)
         if "lr_scheduler" in states:
             self.lr_scheduler.load_state_dict(states["lr_scheduler"])
         if "train_state" in states:
@@ -335,7 +345,8 @@ class CheckpointManager:
             self.data_loader.load_state_dict(pickle.loads(states[loader_key]))
 
     def load_initial_weights(self, mesh) -> None:
-        """Fine-tuning start: weights from `initial_load_path` (HF folder or a checkpoint step)."""
+        """Fine-tuning start: weights from `initial_load_path` (HF folder, or a checkpoint step of this
+        project or of torchtitan: checkpoint/torchtitan.py)."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         from torchtitan_xla.checkpoint.hf import load_hf_into_model
@@ -346,6 +357,7 @@ class CheckpointManager:
                               f"from a local folder; copy them to one first")
         if not storage.isdir(path):
             raise ConfigError(f"[checkpoint] initial_load_path: not a folder: {path}")
+        titan = None
         if self.cfg.initial_load_in_hf:
             load_hf_into_model(self.model, self.model_args, path, mesh)
         else:
@@ -353,17 +365,21 @@ class CheckpointManager:
                 raise ConfigError(f"[checkpoint] initial_load_path: {path} holds LoRA adapters; start "
                                   f"from its merged weights instead (scripts/convert_to_hf.py, then "
                                   f"initial_load_in_hf = true), or resume it as a checkpoint")
+            # LoRA adapters keep their initial values: the base checkpoint has none.
+            base = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not is_adapter(k)}
+            # torchtitan's step folder: its key of each tensor (None: a checkpoint of this project).
+            titan = torchtitan.model_keys(path, {k: tuple(v.shape) for k, v in base.items()})
             runtime.materialise()  # as in _load: a device error is not a damaged checkpoint
             try:
-                commit.verify(path)
-                # LoRA adapters keep their initial values: the base checkpoint has none.
-                states = {"model": {k: v for k, v in self.model.state_dict(keep_vars=True).items()
-                                    if not is_adapter(k)}}
+                if titan is None:
+                    commit.verify(path)
+                states = {"model": base} if titan is None else {titan[k]: v for k, v in base.items()}
                 _dcp_load(states, path, self.process_group)
             except (Exception, CheckpointException) as e:
                 reason = e if isinstance(e, DamagedCheckpoint) else commit.dcp_failure(e)
                 raise ConfigError(
                     f"[checkpoint] initial_load_path: {path} is not a usable checkpoint: {reason}") from None
-            self.model.load_state_dict(states["model"], strict=False)
-        kind = " (HuggingFace)" if self.cfg.initial_load_in_hf else ""
+            loaded = states["model"] if titan is None else {k: states[key] for k, key in titan.items()}
+            self.model.load_state_dict(loaded, strict=False)
+        kind = " (HuggingFace)" if self.cfg.initial_load_in_hf else " (torchtitan)" if titan else ""
         logger.info(f"Initial weights loaded from {path}{kind}")

@@ -77,6 +77,46 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
             f"{cfg.model.name}; expected one of {', '.join(known)}")
     _check_moe(cfg, sources)
+    _check_runtime(cfg, sources)
+
+
+# What the native runtime does not run yet: each refused in one line, before anything is built.
+_NOT_ON_NATIVE = (
+    ("compile", "scan_layers", lambda v: v, "scan is torch_xla's (scan_layers)"),
+    ("float8", "enable_float8_linear", lambda v: v, "its dot is an XLA op"),
+    ("model", "attention", lambda v: v in ("flash", "splash"), "the Pallas kernels are torch_xla's"),
+    ("model", "flavor", lambda v: v.startswith("mixtral"), "mixture-of-experts blocks are not ported yet"),
+    ("moe", "num_experts", lambda v: v, "mixture-of-experts blocks are not ported yet"),
+    ("parallelism", "num_slices", lambda v: v > 1, "multi-slice meshes are torch_xla's HybridMesh"),
+    ("optimizer", "name", lambda v: v not in ("AdamW", "Adam"), "only AdamW and Adam are ported yet"),
+    ("checkpoint", "async_mode", lambda v: v != "disabled", "its device snapshot is torch_xla's"),
+    ("loss", "chunk_size", lambda v: v, "its custom backward is not written for DTensors yet"),
+    ("eval", "at_end", lambda v: v, "evaluate the saved checkpoint with python -m torchtitan_xla.eval"),
+)
+
+
+def _check_runtime(cfg: JobConfig, sources) -> None:
+    """[runtime] against the keys whose meaning depends on it."""
+    step, backend = cfg.compile.step, cfg.runtime.backend
+    if backend == "xla":
+        if step in ("compile", "eager"):
+            raise ConfigError(f"{sources.describe('compile', 'step')} = {step!r} is the native "
+                              f"runtime's; with [runtime] backend = \"xla\" use replay or lazy")
+        if cfg.runtime.device != "auto":
+            raise ConfigError(f"{sources.describe('runtime', 'device')} = {cfg.runtime.device!r} is "
+                              f"the native runtime's; with [runtime] backend = \"xla\" the device is "
+                              f"torch_xla's (PJRT_DEVICE)")
+        return
+    if step == "lazy":
+        raise ConfigError(f"{sources.describe('compile', 'step')} = \"lazy\" is torch_xla's; with "
+                          f"[runtime] backend = \"native\" use compile or eager")
+    if step == "replay":  # the default: one compiled step, which is torch.compile here
+        cfg.compile.step = "compile"
+    for section, key, refused, why in _NOT_ON_NATIVE:
+        value = getattr(getattr(cfg, section), key)
+        if refused(value):
+            raise ConfigError(f"{sources.describe(section, key)} = {value!r} is not available with "
+                              f"[runtime] backend = \"native\" yet: {why}")
 
 
 def _check_moe(cfg: JobConfig, sources) -> None:

@@ -275,12 +275,21 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Runtime:
+    backend: Literal["xla", "native"] = opt(
+        "xla", "xla: torch_xla SPMD, one process per host. native: PyTorch distributed (DTensor, "
+        "torch.compile), one process per device: TorchTPU, CUDA, or the CPU with gloo.")
+    device: Literal["auto", "cpu", "cuda", "tpu"] = opt(
+        "auto", "The native runtime's device; auto: tpu where torch-tpu finds one, else cuda, else cpu.")
+
+
+@dataclass
 class Compile:
-    step: Literal["replay", "lazy"] = opt(
-        "replay", "How each training step becomes one XLA graph: replay traces the step at its "
-        "first two steps, then runs the compiled graph directly (the host does not retrace); lazy "
-        "traces every step under torch_xla.compile(full_graph=True), with torch_xla's "
-        "functionalization on. Both train bit-identically (tests/test_step_compilers.py).")
+    step: Literal["replay", "lazy", "compile", "eager"] = opt(
+        "replay", "How a step runs. XLA runtime, one graph per step: replay traces the first two "
+        "steps, then runs the compiled graph directly; lazy traces every step "
+        "(torch_xla.compile). Native runtime: compile (torch.compile per block; what replay "
+        "means there) or eager.")
     scan_layers: bool = opt(
         False, "Run the blocks as one XLA while loop over stacked weights (torch_xla scan_layers): "
         "compile time stops growing with depth. With scan, activation_checkpoint mode must be "
@@ -367,6 +376,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    runtime: Runtime = field(default_factory=Runtime)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)

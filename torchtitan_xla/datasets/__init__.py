@@ -31,8 +31,8 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     seed = job_config.debug.seed if job_config.debug.seed is not None else DEFAULT_SEED
     split = split or t.dataset_split
     if t.dataset == "synthetic":
-        dataset = SyntheticDataset(tokenizer.n_words, t.seq_len, host_rank=host_rank, seed=seed,
-                                   split=split)
+        dataset = SyntheticDataset(tokenizer.n_words, t.seq_len, batch_size=batch_size,
+                                   host_rank=host_rank, host_count=host_count, seed=seed, split=split)
     else:
         documents = load_documents(t.dataset, t.dataset_path, split)
         stream = dict(host_rank=host_rank, host_count=host_count, shuffle_buffer=t.shuffle_buffer,

@@ -90,9 +90,9 @@ class DataLoader:
                     return
                 state = self.host_loader.state_dict()
                 if self._device is not None:
-                    from torchtitan_xla.runtime import to_device
+                    from torchtitan_xla import runtime
 
-                    batch = tuple(to_device(list(batch), self._device, self._input_sharding))
+                    batch = tuple(runtime.to_device(list(batch), self._device, self._input_sharding))
                 self._put((batch, state))
         except BaseException as e:  # handed to the training loop, which raises it
             self._put(_Failure(e))

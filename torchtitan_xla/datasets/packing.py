@@ -253,21 +253,27 @@ class ChatDataset(DocumentStream):
 
 
 class SyntheticDataset(IterableDataset):
-    """Uniform random tokens for benchmarks: no I/O, no tokenizer work. Window i of a host and
-    worker is a pure function of (seed, host, worker, i), so the state is one counter."""
+    """Uniform random tokens for benchmarks and parity tests: no I/O, no tokenizer work. Each row
+    of the global batch is a pure function of (seed, split, its global position), and host r of
+    H loads rows [r, r + 1) x `batch_size` of each step: the global batch is the same whatever the
+    number of hosts, processes or loader workers. The state is one counter."""
 
-    def __init__(self, vocab_size: int, seq_len: int, *, host_rank: int = 0, seed: int = 0,
-                 split: str = "train"):
+    def __init__(self, vocab_size: int, seq_len: int, *, batch_size: int = 1, host_rank: int = 0,
+                 host_count: int = 1, seed: int = 0, split: str = "train"):
         self._vocab_size, self._window = vocab_size, seq_len + 1
-        self._seed = f"{split}/{seed}/{host_rank}"
-        self._index = 0
+        self._batch, self._host_rank, self._host_count = batch_size, host_rank, host_count
+        self._prefix = f"{split}/{seed}/"
+        self._index = 0  # windows this worker has produced
 
     def __iter__(self):
         worker = get_worker_info()
-        prefix = f"{self._seed}/{worker.id if worker else 0}/"
+        wid, workers = (worker.id, worker.num_workers) if worker else (0, 1)
         g = torch.Generator()
         while True:
-            digest = hashlib.blake2b((prefix + str(self._index)).encode(), digest_size=8).digest()
+            batch, row = divmod(self._index, self._batch)
+            step = batch * workers + wid  # the loader's workers take turns, one batch each
+            position = (step * self._host_count + self._host_rank) * self._batch + row
+            digest = hashlib.blake2b((self._prefix + str(position)).encode(), digest_size=8).digest()
             g.manual_seed(int.from_bytes(digest, "little") >> 1)
             w = torch.randint(self._vocab_size, (self._window,), generator=g)
             self._index += 1

@@ -60,7 +60,10 @@ def _weights(job_config: JobConfig) -> tuple[str | Path, bool]:
 def main(job_config: JobConfig) -> dict:
     from torchtitan_xla import runtime
 
-    runtime.configure(job_config.compile.step)
+    # Evaluation runs on the XLA runtime, whichever runtime trained (the checkpoints are the same).
+    runtime.use("xla")
+    runtime.configure(job_config.compile.step if job_config.compile.step in runtime.STEP_COMPILERS
+                      else "replay")
 
     import torch
 
@@ -91,7 +94,7 @@ def main(job_config: JobConfig) -> dict:
             state = merge(state, lora["alpha"])
     model_args = dataclasses.replace(model_args, max_seq_len=job_config.training.seq_len)
 
-    device = runtime.init_spmd()
+    device = runtime.init_devices()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     mesh = parallel_dims.build_mesh(runtime.device_type())
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)

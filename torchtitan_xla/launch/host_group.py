@@ -19,6 +19,8 @@ def init_host_group(hosts: Hosts, timeout_s: float = 1800):
 
     import torch.distributed as dist
 
+    if dist.is_initialized():  # the native runtime's group of every process: the hosts' too
+        return dist.group.WORLD
     addr = hosts.master_addr
     if not addr:
         from torchtitan_xla import runtime

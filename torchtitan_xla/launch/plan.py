@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.launch.hosts import Hosts, check_slices, resolve_hosts
 from torchtitan_xla.launch.tpu import tpu_env
-from torchtitan_xla.runtime.process import cpu_malloc_env
 
 
 def cpu_device_count(job_config: JobConfig) -> int:
@@ -26,18 +25,17 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
              metadata: bool | None = None) -> dict[str, str]:
     """The variables run_train.sh sets for the process on host `rank` (the rest of the
     environment passes through unchanged)."""
-    device = env.get("PJRT_DEVICE", "CPU")
-    out = {"PJRT_DEVICE": device}
-    if device == "CPU":
-        out["CPU_NUM_DEVICES"] = env.get("CPU_NUM_DEVICES") or str(cpu_device_count(job_config))
-        out |= cpu_malloc_env(env)
+    from torchtitan_xla import runtime
+
+    runtime.use(job_config.runtime.backend)
+    out = runtime.process.launch_env(cpu_device_count(job_config), job_config.runtime.device, env)
     if hosts.count > 1:
         # train.py reads these (torchrun's names) whatever the scheduler was.
         out |= {"NNODES": str(hosts.count), "NODE_RANK": str(rank),
                 "MASTER_ADDR": hosts.master_addr or "", "MASTER_PORT": str(hosts.master_port)}
         if hosts.hostnames:
             out["HOSTNAMES"] = ",".join(hosts.hostnames)
-    if device == "TPU":
+    if out.get("PJRT_DEVICE") == "TPU":
         out |= tpu_env(hosts, rank, job_config.parallelism.num_slices, env, metadata=metadata)
     return out
 
@@ -52,7 +50,7 @@ def plan(job_config: JobConfig, env: Mapping[str, str] = os.environ, *,
 
 # Variables a dry run shows even when they come unchanged from the environment.
 _SHOWN = ("TPU_", "MEGASCALE_", "PJRT_", "XLA_", "LIBTPU_", "CPU_NUM_DEVICES", "MASTER_", "NNODES",
-          "NODE_RANK", "HOSTNAMES")
+          "NODE_RANK", "HOSTNAMES", "NPROC_PER_NODE", "TTX_RUNTIME")
 
 
 def dry_run_text(job_config: JobConfig, command: list[str], env: Mapping[str, str] = os.environ, *,

@@ -59,7 +59,9 @@ def _product(m: torch.Tensor, n: torch.Tensor, acc: torch.dtype) -> torch.Tensor
     """m @ n accumulated and returned in `acc` (on XLA one dot with a wider result: what TPU
     matrix units do with bfloat16 operands)."""
     if m.device.type == "xla" and acc != m.dtype:
-        from torchtitan_xla.runtime.kernels import dot_f32
+        from torchtitan_xla import runtime
+
+        dot_f32 = runtime.kernels.dot_f32
 
         return dot_f32(m, n, [1], [0]).to(acc)
     return m.to(acc) @ n.to(acc)

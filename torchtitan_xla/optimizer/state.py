@@ -20,7 +20,8 @@ def new_states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, torch.T
 
 def zeros_like_param(p: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
     """A zero state tensor for `p`: its shape (or `shape`), with p's sharding when the shapes match."""
-    t = torch.zeros(shape if shape is not None else p.shape, dtype=p.dtype, device=p.device)
-    if t.device.type == "xla" and t.shape == p.shape:
+    if shape is None or tuple(shape) == tuple(p.shape):
+        t = torch.zeros_like(p)  # a DTensor's layout comes with it; XLA's is copied
         runtime.copy_sharding(p, t)
-    return t
+        return t
+    return torch.zeros(shape, dtype=p.dtype, device=p.device)

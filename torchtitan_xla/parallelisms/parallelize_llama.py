@@ -1,10 +1,11 @@
-"""Parallelism for the Llama model, applied from outside by module name as XLA SPMD shardings.
+"""Parallelism for the Llama model, applied from outside by module name as partition specs.
 
 Each `apply_*` does one thing to the same module; `parallelize_llama` calls them in order: tensor
-parallel -> expert parallel -> activation checkpointing -> FSDP -> scan. (The attention kernel is chosen
-before, beside the model: models/llama/attention_kernels.py.) Shardings are annotations on the
-(still lazy) parameters and on activations at module boundaries; XLA partitions the whole step
-from them and inserts the collectives. Nothing here changes a parameter name.
+parallel -> expert parallel -> activation checkpointing -> FSDP -> scan -> compile. (The attention
+kernel is chosen before, beside the model: models/llama/attention_kernels.py.) Every parameter
+gets a spec, and activations get specs at module boundaries; the runtime applies them: XLA as
+annotations on the (still lazy) tensors, partitioning the whole step from them; the native runtime
+as DTensor placements (runtime/native/sharding.py). Nothing here changes a parameter name.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from torchtitan_xla.config.job_config import ActivationCheckpoint
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
-from torchtitan_xla.runtime import kernels
-from torchtitan_xla.runtime.sharding import Spec
+from torchtitan_xla.runtime import Spec
 
 # Megatron layout by parameter name. Column-parallel layers split their output features over `tp`,
 # row-parallel layers their input features, so each attention / MLP block needs one reduction.
@@ -110,10 +110,11 @@ def partition_spec(param: torch.Tensor) -> Spec:
     return getattr(param, "_partition_spec", (None,) * param.dim())
 
 
-def shard_param(param: torch.Tensor, mesh, spec: Spec) -> None:
-    """Annotate `param` with `spec` (replacing an earlier transform's: FSDP extends TP's) and
-    remember it, so later transforms can extend it."""
-    runtime.mark_sharding(param, mesh, spec)
+def shard_param(param: torch.Tensor, mesh, spec: Spec, *, compute: Spec | None = None) -> None:
+    """Give `param` `spec` (replacing an earlier transform's: FSDP extends TP's) and remember it, so
+    later transforms can extend it. `compute`: the layout the forward pass reads it in, where that
+    differs (FSDP: gathered over its data-parallel axes; XLA finds this itself)."""
+    runtime.mark_sharding(param, mesh, spec, compute=compute)
     param._partition_spec = spec
 
 
@@ -157,14 +158,32 @@ def apply_activation_sharding(model: nn.Module, mesh) -> None:
     a feature-sharded output, which it then computes by all-gathering the activations of the whole
     global batch instead of the weight (the collectives audit, docs/plan.md, found this for wk)."""
     seq_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None))  # [batch, seq, dim]
+    # The norms feed column-parallel layers, which need whole sequences: Megatron-SP's all-gather.
+    seq_whole = runtime.constraint(mesh, (BATCH_AXES, None, None))
     heads_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None, None))  # [batch, heads, seq, head_dim]
     vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, None, "tp"))  # [batch, seq, vocab]
     for block in model.layers.values():
         block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
         block.register_forward_hook(lambda m, args, out: seq_sharded(out))
+        for norm in (block.attention_norm, block.ffn_norm):
+            norm.register_forward_hook(lambda m, args, out: seq_whole(out))
+        # The row-parallel outputs, partial sums, are reduce-scattered over the sequence before
+        # the residual add (and their gradient all-gathered).
+        for sublayer in (block.attention, block.feed_forward):
+            sublayer.register_forward_hook(lambda m, args, out: seq_sharded(out))
         block.attention.sdpa.register_forward_pre_hook(
             lambda m, args: (*(heads_sharded(t) for t in args[:3]), *args[3:]))  # q, k, v
+    model.norm.register_forward_hook(lambda m, args, out: seq_whole(out))
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
+
+
+def apply_local_attention(model: nn.Module, mesh) -> None:
+    """Attention (whichever kernel) computes each sequence's heads on their own: the runtime may
+    run it on each device's blocks of the batch and heads (native: local tensors, any kernel's
+    ops; XLA partitions it by itself)."""
+    heads = (BATCH_AXES, "tp", None, None)  # q, k, v and the output: [batch, heads, seq, head_dim]
+    for block in model.layers.values():
+        runtime.run_locally(block.attention.sdpa, mesh, [heads] * 3 + [(BATCH_AXES, None)], heads)
 
 
 def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
@@ -181,7 +200,7 @@ def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
         spec = fsdp_spec(param.shape, base, degree, axis)
         if spec == base and degree > 1:
             unsharded.append(name)
-        shard_param(param, mesh, spec)
+        shard_param(param, mesh, spec, compute=base)
     if unsharded:
         logger.info(f"FSDP: {len(unsharded)} parameters have no dimension divisible by their "
                     f"shard count and stay replicated: {', '.join(unsharded[:4])}...")
@@ -198,7 +217,7 @@ def _checkpoint_block(block: nn.Module) -> None:
         # would then have to donate and rebind weights it never changes (it failed to replay).
         # The block's input is still fenced, which keeps the recomputation apart.
         original = functools.partial(original)
-    block.forward = lambda *args: kernels.checkpoint(original, *args)
+    block.forward = lambda *args: runtime.kernels.checkpoint(original, *args)
 
 
 # Outputs kept by op-level selective checkpointing: the weight matmuls (Linear layers lower to
@@ -219,7 +238,7 @@ def _selective_op_block(block: nn.Module) -> None:
     """Op-level selective checkpointing with torch's selective-checkpoint policy API."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    kernels.enable_torch_checkpoint()
+    runtime.kernels.enable_torch_checkpoint()
     original = block.forward
     context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
 
@@ -233,7 +252,7 @@ def _selective_op_block(block: nn.Module) -> None:
                 # The recomputation, inside the backward pass. Without a barrier XLA would see the
                 # same expressions as in the forward pass and merge them, silently undoing the
                 # checkpointing (torch_xla's own checkpoint fences its inputs the same way).
-                kernels.optimization_barrier_([t for t in inner if isinstance(t, torch.Tensor)])
+                runtime.kernels.optimization_barrier_([t for t in inner if isinstance(t, torch.Tensor)])
             return original(*inner)
 
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
@@ -285,7 +304,7 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     rejects other modes with scan."""
     from functorch.compile import default_partition, min_cut_rematerialization_partition
 
-    kernels.check_torchax()
+    runtime.kernels.check_torchax()
 
     partition_fn = default_partition if cfg.mode == "none" else min_cut_rematerialization_partition
     # Created once: scan caches the traced block by the identity of the first one.
@@ -294,11 +313,20 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     def forward(h, cos, sin, document_ids=None):
         # The carry holds float tensors only (scan differentiates it); ids compare exactly as floats.
         extra = () if document_ids is None else (document_ids.float(),)
-        h, *_ = kernels.scan_layers(carriers, (h, cos, sin, *extra), partition_fn)
+        h, *_ = runtime.kernels.scan_layers(carriers, (h, cos, sin, *extra), partition_fn)
         return h
 
     model.layers.forward = forward
     logger.info(f"Scanning {len(carriers)} blocks ({partition_fn.__name__})")
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block (`[compile] step = "compile"`, the native runtime's): the blocks
+    share one graph; the rest of the step runs eagerly around them, as in torchtitan. (On XLA the
+    whole step is one graph already.)"""
+    for block in model.layers.values():
+        block.compile(fullgraph=True)
+    logger.info(f"Compiling {len(model.layers)} blocks (torch.compile)")
 
 
 def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
@@ -309,10 +337,15 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
         apply_ep(model, mesh)
     if parallel_dims.world_size > 1:
         apply_activation_sharding(model, mesh)
+    apply_local_attention(model, mesh)
     ac = job_config.activation_checkpoint
     if not job_config.compile.scan_layers:  # under scan, the scan's partitioner does it
         apply_ac(model, ac)
     apply_fsdp(model, mesh, parallel_dims)
     if job_config.compile.scan_layers:
         apply_scan(model, ac)
+    # Parameters take their specs (native: they become DTensors; XLA: annotated already).
+    runtime.distribute_module(model, mesh)
+    if job_config.compile.step == "compile":
+        apply_compile(model)
     return model

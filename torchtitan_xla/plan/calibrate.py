@@ -69,7 +69,9 @@ def calibration_shape(row: dict):
 def measure(points: list[dict], devices: int, *, timeout: int = 1200) -> list[dict]:
     """[{"temp_bytes": int, "collectives": [[kind, result_bytes, group_size, shape], ...]}] per
     point, each from its own compiled step on `devices` virtual XLA CPU devices."""
-    from torchtitan_xla.runtime.compiled import dump_flags
+    from torchtitan_xla import runtime
+
+    dump_flags = runtime.compiled.dump_flags
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "points.json")
@@ -110,8 +112,11 @@ def audit_point(row: dict, result: dict) -> tuple[dict, dict, list[str]]:
 def _run(points: list[dict], dump: Path, run_folder: Path) -> None:
     sys.path.insert(0, str(REPO))
     import train
+    from torchtitan_xla import runtime
     from torchtitan_xla.config import parse_args
-    from torchtitan_xla.runtime.compiled import collective_ops, parse_buffer_assignment
+
+    collective_ops, parse_buffer_assignment = (runtime.compiled.collective_ops,
+                                               runtime.compiled.parse_buffer_assignment)
 
     seen: set[Path] = set()
     for point in points:

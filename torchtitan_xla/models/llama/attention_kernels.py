@@ -29,8 +29,9 @@ class PallasAttention(nn.Module):
         self.kind, self.mesh, self.spec = kind, mesh, spec
 
     def forward(self, q, k, v, document_ids=None):
-        from torchtitan_xla.runtime import kernels
+        from torchtitan_xla import runtime
 
+        kernels = runtime.kernels
         kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
         segments = None if document_ids is None else document_ids.to(torch.int32)
         return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=segments)

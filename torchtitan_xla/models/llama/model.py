@@ -55,9 +55,13 @@ def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim] by the angles
     of each token's position, cos and sin: [seq, head_dim // 2] or per sequence [batch, seq, ...]."""
-    x0, x1 = _upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
+    xf = _upcast(x)
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    rotated = (x0 * cos - x1 * sin, x0 * sin + x1 * cos)
+    # Interleaved back by cat, not stack: the backward of stack selects twice from one DTensor,
+    # which DTensor (torch 2.9) gets wrong (the second select sees the first one's shape).
+    out = torch.cat([r.unsqueeze(-1) for r in rotated], dim=-1).flatten(-2)
     # Back to the compute dtype: under bf16 autocast q, k and v must share a dtype for SDPA.
     return out.type_as(x)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_xla.runtime.device import materialise
+from torchtitan_xla.runtime.xla.device import materialise
 
 
 def save_planner():

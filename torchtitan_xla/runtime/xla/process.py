@@ -112,6 +112,18 @@ CPU_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 
 
+def launch_env(cpu_devices: int, device: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What run_train.sh exports for this runtime: the PJRT device, and on the CPU backend the
+    virtual device count (`cpu_devices` unless CPU_NUM_DEVICES is set) and the malloc variables.
+    (`device` is the native runtime's.)"""
+    pjrt = env.get("PJRT_DEVICE", "CPU")
+    out = {"PJRT_DEVICE": pjrt}
+    if pjrt == "CPU":
+        out["CPU_NUM_DEVICES"] = env.get("CPU_NUM_DEVICES") or str(cpu_devices)
+        out |= cpu_malloc_env(env)
+    return out
+
+
 def find_tcmalloc() -> str | None:
     """The installed tcmalloc's soname (what LD_PRELOAD needs), or None."""
     return next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)

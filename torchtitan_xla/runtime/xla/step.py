@@ -25,13 +25,12 @@ graph; `CompileGuard` turns a compile after warm-up into an error or a warning.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from torchtitan_xla.logging import logger
-from torchtitan_xla.runtime.device import compile_stats
+from torchtitan_xla.runtime import common
+from torchtitan_xla.runtime.xla.device import compile_stats
 
 
 def build_step(kind: str, fn: Callable[..., torch.Tensor], state: Sequence[torch.Tensor], *,
@@ -184,35 +183,7 @@ def _handle(t: torch.Tensor) -> int:
     return torch_xla._XLAC._get_tensors_handle([t])[0]
 
 
-class CompileGuard:
-    """Any XLA compile after warm-up (the first two steps) is a bug: a graph that changed.
-
-    `check(step)` after each step raises (`on_recompile = "error"`) or warns and moves on
-    ("warn"), naming how to find out why. Compiles that are expected (a checkpoint save's small
-    transfer graphs) happen inside `allowed()`."""
-
-    def __init__(self, first_step: int, on_recompile: str = "error"):
-        self.warmup_end = first_step + 1  # the first step compiles; any compile after the second
-        self.on_recompile = on_recompile
-        self.baseline: int | None = None
-
-    def check(self, step: int) -> None:
-        compiles = compile_stats()[0]
-        if step == self.warmup_end:
-            self.baseline = compiles
-        elif self.baseline is not None and compiles > self.baseline:
-            message = (f"step {step}: XLA compiled a new graph after warm-up ({compiles} "
-                       f"compiles, {self.baseline} at step {self.warmup_end}); run with "
-                       f"PT_XLA_DEBUG_LEVEL=1 to see why")
-            if self.on_recompile == "error":
-                raise RuntimeError(message)
-            logger.warning(message)
-            self.baseline = compiles
-
-    @contextlib.contextmanager
-    def allowed(self) -> Iterator[None]:
-        try:
-            yield
-        finally:
-            if self.baseline is not None:
-                self.baseline = compile_stats()[0]
+def CompileGuard(first_step: int, on_recompile: str = "error"):
+    """The recompile guard (runtime/common.py) on XLA's compile count."""
+    return common.CompileGuard(first_step, on_recompile, count=lambda: compile_stats()[0],
+                              what="XLA", hint="PT_XLA_DEBUG_LEVEL=1")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.runtime.common import python_scan
 
 
 def flash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
@@ -81,6 +82,11 @@ def _on_cpu_backend() -> bool:
     return xr.device_type() == "CPU"
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `tensors` together (torch's, as clip_grad_norm_ computes it)."""
+    return torch.nn.utils.get_total_norm(tensors)
+
+
 def checkpoint(fn: Callable, *args):
     """Full activation checkpointing of `fn(*args)` with torch_xla's checkpoint, which also fences
     the recomputation so XLA cannot merge it with the forward pass."""
@@ -147,9 +153,4 @@ def scan(fn: Callable, init, xs):
         from torch_xla.experimental.scan import scan as xla_scan
 
         return xla_scan(fn, init, xs)
-    ys = []
-    carry = init
-    for i in range(xs[0].shape[0]):
-        carry, y = fn(carry, tuple(t[i] for t in xs))
-        ys.append(y)
-    return carry, tuple(torch.stack(parts) for parts in zip(*ys))
+    return python_scan(fn, init, xs)

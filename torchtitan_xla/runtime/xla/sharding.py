@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-Spec = tuple
+from torchtitan_xla.runtime import Spec
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: str,
@@ -26,15 +26,40 @@ def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: 
     return xs.Mesh(np.arange(int(np.prod(shape))), tuple(shape), tuple(axis_names))
 
 
-def mark_sharding(t: torch.Tensor, mesh, spec: Spec) -> None:
+def mark_sharding(t: torch.Tensor, mesh, spec: Spec, *, compute: Spec | None = None) -> None:
     """Annotate `t` with `spec`. An earlier annotation is cleared first: without functionalization
-    torch_xla refuses to overwrite one."""
+    torch_xla refuses to overwrite one. (`compute`, the layout a use needs, is XLA's to find.)"""
     import torch_xla.distributed.spmd as xs
 
     if is_sharded(t):
         xs.clear_sharding(t)
     if any(axis is not None for axis in spec):
         xs.mark_sharding(t, mesh, spec)
+
+
+def place(t: torch.Tensor, mesh, spec: Spec) -> torch.Tensor:
+    """`t` (the whole value) annotated with `spec`."""
+    mark_sharding(t, mesh, spec)
+    return t
+
+
+def distribute_module(model: torch.nn.Module, mesh) -> None:
+    """The parameters carry their annotations already."""
+
+
+def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as they are: a whole value is what every XLA tensor means."""
+    return tensors
+
+
+def run_locally(module: torch.nn.Module, mesh, specs: Sequence[Spec], out_spec: Spec) -> None:
+    """XLA partitions any module by itself: it stays as it is."""
+
+
+def data_shard(mesh, axes: Sequence[str], hosts) -> tuple[int, int]:
+    """(which block of the global batch this process loads, how many blocks): one per host; the
+    input sharding spreads a host's block over its devices."""
+    return hosts.rank, hosts.count
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -47,6 +72,8 @@ def copy_sharding(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Give `dst` (a fresh tensor of the same shape) the sharding of `src`, if any."""
     import torch_xla
 
+    if src.device.type != "xla":
+        return
     sharding = torch_xla._XLAC._get_xla_op_sharding(src)
     if sharding is not None:
         torch_xla._XLAC._xla_mark_sharding(dst, sharding)

@@ -3,18 +3,19 @@ host this is, syncs, RNG state, compile counts and memory statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from torchtitan_xla.logging import logger
-from torchtitan_xla.runtime.process import installed_torch_xla, version_warning
+from torchtitan_xla.runtime.xla.process import installed_torch_xla, version_warning
 
 
-def init_spmd() -> torch.device:
+def init_devices(device: str = "auto") -> torch.device:
     """Start XLA in SPMD mode (one process drives every device of its host, XLA partitions each
     graph over the mesh); returns the device every tensor goes to. Warns once when the installed
-    torch_xla is not the release this layer was written for."""
+    torch_xla is not the release this layer was written for. (`device`: PJRT_DEVICE chooses.)"""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -23,6 +24,15 @@ def init_spmd() -> torch.device:
         logger.warning(warning)
     xr.use_spmd()
     return torch_xla.device()
+
+
+def autocast_device_type() -> str:
+    return "xla"
+
+
+def initialising() -> contextlib.AbstractContextManager:
+    """Initialisation needs nothing special: XLA's RNG draws each tensor whole."""
+    return contextlib.nullcontext()
 
 
 def current_device() -> torch.device:

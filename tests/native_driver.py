@@ -1,0 +1,35 @@
+"""The native-runtime tests' torchrun worker: train.main with the given flags. Rank 0 writes to
+$NATIVE_OUT the logged losses and grad norms and, for every parameter, its DTensor placements,
+the spec `parallelisms` gave it, and its global and local shapes."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torchtitan_xla.parallelisms as parallelisms  # noqa: E402
+import train  # noqa: E402
+from torchtitan_xla.config import parse_args  # noqa: E402
+
+layout = {}
+parallelize = parallelisms.parallelize_llama
+
+
+def recording(model, mesh, parallel_dims, job_config):
+    out = parallelize(model, mesh, parallel_dims, job_config)
+    for name, p in model.named_parameters():
+        layout[name] = {"placements": [repr(x) for x in p.placements], "shape": list(p.shape),
+                        "spec": list(getattr(p, "_partition_spec", ())),
+                        "local": list(p.to_local().shape)}
+    return out
+
+
+parallelisms.parallelize_llama = recording
+history = train.main(parse_args(sys.argv[1:]),
+                     model_overrides=json.loads(os.environ.get("NATIVE_OVERRIDES", "{}")))
+if int(os.environ.get("RANK", "0")) == 0:
+    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({
+        "losses": {s.step: s.loss for s in history},
+        "grad_norms": {s.step: s.grad_norm for s in history}, "layout": layout}))

@@ -1,0 +1,201 @@
+"""The native runtime (`[runtime] backend = "native"`): real processes on the CPU with gloo, each a
+device of one DeviceMesh, against one process and against the XLA runtime.
+
+Every run trains the debug model at the test size on synthetic data, whose global batch is the same
+whatever the number of processes (datasets/packing.py), so losses can be compared step by step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, run_train, tiny_args, train_run
+
+NATIVE = ["--runtime.backend", "native", "--training.dataset", "synthetic", "--training.steps", "10",
+          "--training.global_batch_size", "8"]
+EAGER = ["--compile.step", "eager"]
+
+
+def native(folder: Path, processes: int, *extra: str, timeout: int = 900) -> dict:
+    """train.py's main on `processes` torchrun processes (tests/native_driver.py): rank 0's
+    losses, grad norms and parameter layouts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(processes), str(REPO / "tests" / "native_driver.py"), *tiny_args(folder, *NATIVE, *extra)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_"))}
+    env["NATIVE_OUT"] = str(out)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    result = json.loads(out.read_text())
+    result["log"] = p.stderr
+    return result
+
+
+def close(got: dict, expected: dict, rtol: float) -> None:
+    assert got.keys() == expected.keys()
+    for step, value in expected.items():
+        assert abs(got[step] - value) <= rtol * abs(value), (step, got[step], value)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """The reference: the same global batch on one process (every mesh axis of size 1)."""
+    return native(tmp_path_factory.mktemp("one"), 1, *EAGER, "--training.local_batch_size", "8")
+
+
+MESHES = {
+    "fsdp=8": ["--training.local_batch_size", "1"],
+    "fsdp=4 x tp=2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "4",
+                      "--parallelism.tensor_parallel_degree", "2"],
+    "dp_replicate=2 x fsdp=4": ["--training.local_batch_size", "1",
+                                "--parallelism.data_parallel_replicate_degree", "2",
+                                "--parallelism.data_parallel_shard_degree", "4"],
+}
+
+
+def expected_placements(spec: list, sizes: dict[str, int]) -> list[str]:
+    """DTensor placements of a partition spec on the mesh (MESH_AXES order): Shard(d) for an axis
+    of more than one device on dimension d, Replicate otherwise."""
+    from torchtitan_xla.parallelisms import MESH_AXES
+
+    out = []
+    for axis in MESH_AXES:
+        dims = [d for d, a in enumerate(spec) if a == axis or (isinstance(a, list) and axis in a)]
+        out.append(f"Shard(dim={dims[0]})" if dims and sizes[axis] > 1 else "Replicate()")
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded_by_its_spec(
+        mesh, one_process, tmp_path):
+    import torch
+
+    from torchtitan_xla.models import get_model_args, get_model_class
+    from torchtitan_xla.parallelisms import ParallelDims
+    from torchtitan_xla.parallelisms.parallelize_llama import param_specs
+
+    run = native(tmp_path, 8, *EAGER, *MESHES[mesh])
+    # float32, the same sums in another order (reductions across processes): 2.4e-7 measured.
+    close(run["losses"], one_process["losses"], rtol=1e-6)
+    close(run["grad_norms"], one_process["grad_norms"], rtol=1e-6)
+
+    flags = dict(zip(MESHES[mesh][::2], MESHES[mesh][1::2]))
+    rep = int(flags.get("--parallelism.data_parallel_replicate_degree", 1))
+    tp = int(flags.get("--parallelism.tensor_parallel_degree", 1))
+    dims = ParallelDims(dp_replicate=rep, dp_shard=8 // (rep * tp), tp=tp)
+    sizes = dict(zip(("dp_replicate", "fsdp", "ep", "tp"), dims.mesh_shape))
+    with torch.device("meta"):
+        model = get_model_class("llama3")(get_model_args("llama3", "debugmodel", vocab_size=2256,
+                                                          max_seq_len=64))
+    specs = param_specs(model, dims)
+    layout = run["layout"]
+    assert layout.keys() == specs.keys()
+    for name, spec in specs.items():
+        got = layout[name]
+        assert got["spec"] == [list(a) if isinstance(a, tuple) else a for a in spec], name
+        assert got["placements"] == expected_placements(got["spec"], sizes), name
+        # The block each process holds: the spec really splits the tensor.
+        shards = [1] * len(got["shape"])
+        for axis, size in sizes.items():
+            for d, a in enumerate(got["spec"]):
+                if size > 1 and (a == axis or (isinstance(a, list) and axis in a)):
+                    shards[d] *= size
+        assert got["local"] == [n // s for n, s in zip(got["shape"], shards)], name
+    assert any(s > 1 for got in layout.values() for s in
+               [n // m for n, m in zip(got["shape"], got["local"])])
+
+
+COMPILES = re.compile(r"step:\s+(\d+) .* compiles: (\d+)")
+
+
+def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up(one_process, tmp_path):
+    """The default step on the native runtime (`[compile] step` left at its default) is
+    torch.compile per block; a compile after step 2 would stop the run (on_recompile = "error")."""
+    run = native(tmp_path, 1, "--training.local_batch_size", "8", "--debug.on_recompile", "error")
+    assert re.search(r"Compiling \d+ blocks \(torch.compile\)", run["log"])
+    # Inductor fuses the blocks' element-wise ops (other roundings); measured 2e-6 after 10 steps.
+    close(run["losses"], one_process["losses"], rtol=2e-5)
+    compiles = {int(s): int(n) for s, n in COMPILES.findall(run["log"])}
+    assert compiles[1] > 0 and len(set(c for s, c in compiles.items() if s >= 2)) == 1, compiles
+
+
+def test_both_runtimes_give_the_same_losses_from_one_seed_checkpoint(tmp_path):
+    """XLA and native, one process and fsdp=4 x tp=2, 20 steps from the same initial weights."""
+    seed = tmp_path / "seed"
+    p = run_train(tiny_args(seed, "--checkpoint.create_seed_checkpoint"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    start = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
+             "--training.steps", "20", "--training.local_batch_size", "8"]
+    xla, _ = train_run(tiny_args(tmp_path / "xla", "--training.dataset", "synthetic",
+                                 "--training.global_batch_size", "8", *start))
+    one = native(tmp_path / "native1", 1, *EAGER, *start)
+    mesh = native(tmp_path / "native8", 8, *EAGER, *start, "--training.local_batch_size", "2",
+                  "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2")
+    expected = {str(k): v for k, v in xla.items()}
+    # XLA CPU and eager PyTorch round float32 differently (fusions, dot kernels).
+    close(one["losses"], expected, rtol=1e-5)
+    close(mesh["losses"], expected, rtol=1e-5)
+
+
+BAD = [
+    (["--runtime.device", "tpu"], r"--runtime\.device.* = \"tpu\": torch-tpu is not installed"),
+    (["--runtime.device", "cuda"], r"--runtime\.device.* = \"cuda\": torch sees no CUDA GPU"),
+    (["--parallelism.tensor_parallel_degree", "2"],
+     r"tensor_parallel_degree \(2\) = 2 does not divide the 1 devices \(tensor_parallel_degree from "
+     r"the command line\)"),
+    (["--compile.step", "lazy"], r"--compile\.step = \"lazy\" is torch_xla's; with \[runtime\] backend"),
+    (["--compile.scan_layers"], r"--compile\.scan_layers = True is not available with \[runtime\] backend"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_native_input_is_one_line_before_any_model_is_built(flags, message, tmp_path):
+    if "cuda" in flags:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    p = run_train(tiny_args(tmp_path, "--runtime.backend", "native", *flags), env={"XLA_USE_SPMD": None})
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert re.search(message, lines[-1]), lines[-1]
+    assert not any("Traceback" in line or "Model llama3" in line for line in lines), p.stderr
+
+
+def test_a_checkpoint_resumes_on_the_other_runtime_as_if_never_interrupted(tmp_path):
+    """XLA (fsdp=4 x tp=2) saves step 10, the native runtime (tp=2, two processes) resumes it; and
+    the reverse, native to XLA (fsdp=2 x tp=2). Steps 11-20 equal the uninterrupted run's. (The
+    data loader's state moves with it: both load the global batch on one data-parallel block.)"""
+    import shutil
+
+    steps = ["--training.steps", "20", "--training.dataset", "synthetic",
+             "--training.global_batch_size", "8", "--checkpoint.enable", "--checkpoint.interval", "10"]
+    xla_mesh = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
+                "--training.local_batch_size", "2"]
+    native_mesh = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
+
+    def resume_folder(src: Path, name: str) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(src / "checkpoint" / "step-10", folder / "checkpoint" / "step-10")
+        return folder
+
+    xla, _ = train_run(tiny_args(tmp_path / "xla", *steps, *xla_mesh), devices=8)
+    on_native = native(resume_folder(tmp_path / "xla", "on_native"), 2, *EAGER, *steps, *native_mesh)
+    assert "Resumed from" in on_native["log"] or "step-10" in on_native["log"]
+    assert sorted(map(int, on_native["losses"])) == list(range(11, 21))
+    close(on_native["losses"], {str(s): v for s, v in xla.items() if s > 10}, rtol=1e-5)
+
+    base = native(tmp_path / "native", 2, *EAGER, *steps, *native_mesh)
+    on_xla, _ = train_run(tiny_args(resume_folder(tmp_path / "native", "on_xla"), *steps,
+                                    "--parallelism.data_parallel_shard_degree", "2",
+                                    "--parallelism.tensor_parallel_degree", "2",
+                                    "--training.local_batch_size", "4"), devices=4)
+    assert sorted(on_xla) == list(range(11, 21))
+    close({str(s): v for s, v in on_xla.items()},
+          {s: v for s, v in base["losses"].items() if int(s) > 10}, rtol=1e-5)

@@ -1,0 +1,206 @@
+"""Partition specs as DTensor placements: the same specs the XLA runtime gives XLA as annotations.
+
+A spec names one mesh axis (or a tuple of axes, or None) per tensor dimension; on a DeviceMesh
+with the same axis names it is one placement per mesh axis: Shard(d) for the axes on dimension d,
+Replicate for the rest. Axes sharing one dimension split it in mesh order, as XLA's tuple does.
+
+Parameters (`distribute_module`) become DTensors of their stored spec. Where the spec shards a
+parameter over data-parallel axes (FSDP), reading it gives its compute spec instead: an
+all-gather in the forward pass whose backward is the gradient's reduce-scatter (the gradient of
+a batch-sharded computation is partial on those axes). This is torchtitan's SimpleFSDP: the
+gather is plain DTensor code that torch.compile sees whole, and each parameter keeps its own
+spec, dimension and all, so the specs of `parallelisms/` apply unchanged (FSDP2's `fully_shard`
+groups parameters per module and pads dimension 0). The model and its names stay as they are:
+the gather is a property on the module's class, `_parameters` still holds the DTensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def placements(mesh, spec: Sequence) -> list:
+    """One placement per mesh axis for `spec` (an axis of one device replicates: DTensor would
+    refuse views across a dimension "sharded" over it)."""
+    out: list = [Replicate()] * mesh.ndim
+    for dim, axes in enumerate(spec):
+        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+            index = mesh.mesh_dim_names.index(axis)
+            if mesh.size(index) > 1:
+                out[index] = Shard(dim)
+    return out
+
+
+def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: str,
+               num_slices: int = 1):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type.lower(), tuple(shape), mesh_dim_names=tuple(axis_names))
+
+
+def mark_sharding(t: torch.Tensor, mesh, spec: Sequence, *, compute: Sequence | None = None) -> None:
+    """Parameters are recorded, not changed: `distribute_module` makes them DTensors once every
+    transform has given its spec (the caller keeps it in `_partition_spec`)."""
+    if compute is not None:
+        t._compute_spec = tuple(compute)
+
+
+def place(t: torch.Tensor, mesh, spec: Sequence) -> torch.Tensor:
+    """`t`, the whole value on every process, as a DTensor of `spec` (each keeps its block; no
+    communication)."""
+    return distribute_tensor(t, mesh, placements(mesh, spec), src_data_rank=None)
+
+
+_gathering = True  # off while initialising: init writes the stored parameter, not a gathered copy
+
+
+class _Gathered:
+    """The property that gives a parameter in its compute layout when the module reads it."""
+
+    def __init__(self, name: str, mesh, compute: list):
+        self.name, self.mesh, self.compute = name, mesh, compute
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        param = module._parameters[self.name]
+        return param.redistribute(self.mesh, self.compute) if _gathering else param
+
+    def __set__(self, module, value):
+        module._parameters[self.name] = value
+
+
+def distribute_module(model: nn.Module, mesh) -> None:
+    """Every parameter becomes a DTensor Parameter of its `_partition_spec` (replicated if none),
+    read in its `_compute_spec` layout where it has one (FSDP's gather)."""
+    for module in list(model.modules()):
+        gathered = {}
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            spec = getattr(p, "_partition_spec", (None,) * p.dim())
+            d = nn.Parameter(place(p.detach(), mesh, spec), requires_grad=p.requires_grad)
+            d._partition_spec = spec
+            module._parameters[name] = d
+            # Read through a redistribute even where the layout stays: its backward brings the
+            # gradient to the parameter's layout (a replicated norm weight's gradient is otherwise
+            # left partial over tp, and every tensor of its optimizer step with it).
+            compute = getattr(p, "_compute_spec", None) or spec
+            gathered[name] = _Gathered(name, mesh, placements(mesh, compute))
+        if gathered:
+            module.__class__ = type(module.__class__.__name__, (module.__class__,), gathered)
+
+
+def constraint(mesh, spec: Sequence) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An activation laid out by `spec` (its gradient follows: redistribute's backward)."""
+    target = placements(mesh, spec)
+    return lambda t: t.redistribute(mesh, target) if isinstance(t, DTensor) else t
+
+
+def input_sharding(mesh, spec: Sequence, *, hosts: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Batches as DTensors of `spec`: each process loads its own block (`data_shard`)."""
+    target = placements(mesh, spec)
+    return lambda t: DTensor.from_local(t, mesh, target, run_check=False)
+
+
+def data_shard(mesh, axes: Sequence[str], hosts) -> tuple[int, int]:
+    """(which block of the global batch this process loads, how many blocks): its coordinate
+    over the batch `axes`; processes that differ only on other axes (tp) load the same block."""
+    rank, count = 0, 1
+    for axis in axes:
+        size = mesh.size(mesh.mesh_dim_names.index(axis))
+        rank, count = rank * size + mesh.get_local_rank(axis), count * size
+    return rank, count
+
+
+def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor as a plain tensor holding its whole value (partial sums reduced, blocks
+    gathered): values of different layouts can then be stacked."""
+    return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def copy_sharding(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """A DTensor's layout travels with it (`zeros_like` keeps it): nothing to copy."""
+
+
+def sharding_text(t: torch.Tensor) -> str:
+    return f"{t.placements}" if isinstance(t, DTensor) else ""
+
+
+def per_shard(fn: Callable, mesh, specs: Sequence, out_spec: Sequence, sum_axes: Sequence):
+    """`fn` on every process's own blocks (torch's local_map, as jax's shard_map)."""
+    from torch.distributed.tensor.experimental import local_map
+
+    return local_map(fn, out_placements=placements(mesh, out_spec),
+                     in_placements=tuple(placements(mesh, s) for s in specs), device_mesh=mesh)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous. Redistribute's backward gives the gradient the
+    strides of its input (here a transposed view) over a block that is contiguous; the transpose's
+    backward then makes a DTensor whose strides disagree with its block, and the view after it
+    fails (torch 2.9)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def run_locally(module: nn.Module, mesh, specs: Sequence, out_spec: Sequence) -> None:
+    """`module`'s forward on each process's own blocks of its tensor arguments (laid out by
+    `specs`, one per argument), returning blocks of `out_spec`: torch's local_map. For code that
+    is independent per block (attention per sequence and head) and whose ops DTensor has no
+    rules for."""
+    from torch.distributed.tensor.experimental import local_map
+
+    original = module.forward
+    out = placements(mesh, out_spec)
+    ins = [placements(mesh, s) for s in specs]
+
+    def forward(*args):
+        local = local_map(original, out_placements=out, in_placements=tuple(ins[:len(args)]),
+                          device_mesh=mesh, redistribute_inputs=True)
+        return local(*(_ContiguousGrad.apply(a) if isinstance(a, DTensor) else a for a in args))
+
+    module.forward = forward
+
+
+class FullTensorInit(TorchDispatchMode):
+    """Random initialisation of a DTensor as if it were one tensor on one device: the whole
+    tensor is drawn on the host from torch's generator and each process keeps its block. (DTensor's
+    own random ops draw per block, from a per-device generator the CPU lacks: every block of a
+    sharded parameter got the same numbers.) One parameter's full size at a time on the host."""
+
+    RANDOM = {torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default}
+
+    def __enter__(self):
+        global _gathering
+        _gathering = False
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        global _gathering
+        _gathering = True
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func in self.RANDOM and isinstance(target, DTensor):
+            with torch.no_grad():
+                full = torch.empty(target.shape, dtype=target.dtype)
+                func(full, *args[1:], **kwargs)
+                local = distribute_tensor(full, target.device_mesh, target.placements,
+                                          src_data_rank=None).to_local()
+                target.to_local().copy_(local)
+            return target
+        return func(*args, **kwargs)
