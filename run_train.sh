@@ -64,6 +64,7 @@ if [[ "$MODE" == dry-run ]]; then
 fi
 # Which host this is and what its runtime needs; bad input stops here with one line, exit 2.
 EXPORTS="$("$PY" -m torchtitan_xla.launch --exports "${ARGS[@]}")" || exit 2
+unset TTX_RUNTIME  # set by the exports for the native runtime only
 eval "$EXPORTS"
 if [[ "$MODE" == check-hosts ]]; then
   exec "$PY" -m torchtitan_xla.launch --check-hosts "${ARGS[@]}"
@@ -71,8 +72,9 @@ fi
 if [[ "${TTX_RUNTIME:-xla}" == native ]]; then
   # The native runtime: one process per device, started by torchrun (its variables tell each one
   # its rank); on one host a private rendezvous on a free port.
-  if [[ -n "${NNODES:-}" ]]; then
-    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  if [[ "${NNODES:-1}" -gt 1 ]]; then
+    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
+          --master-port "${MASTER_PORT:-29500}")
   else
     RDZV=(--standalone)
   fi

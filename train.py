@@ -79,7 +79,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     # Which host this is: the runtime's answer, or the launcher's where the runtime cannot know
     # (CPU). Several hosts also share a CPU-side (gloo) group for checkpoints and preemption.
-    hosts = host_identity(runtime.process_index(), runtime.process_count(), device_type)
+    hosts = host_identity(runtime.process_index(), runtime.process_count(), device_type,
+                          per_device=runtime.PROCESS_PER_DEVICE)
     host_rank, host_count = hosts.rank, hosts.count
     process_group = init_host_group(hosts) if host_count > 1 else None
     if host_count > 1 and runtime.process_count() == 1:
@@ -234,7 +235,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             mb_loss.backward()
             loss = loss + mb_loss.detach()
             rank_token_losses.append(token_losses.detach())
-        grad_norm = runtime.kernels.total_norm([p.grad for p in trainable])  # over sharded grads
+        grads = [p.grad for p in trainable if p.grad is not None]
+        grad_norm = runtime.kernels.total_norm(grads)  # over sharded gradients
         if training.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(trainable, training.max_norm, grad_norm)
         step_with_lr(optimizer, lrs)

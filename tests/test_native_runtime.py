@@ -21,15 +21,16 @@ NATIVE = ["--runtime.backend", "native", "--training.dataset", "synthetic", "--t
 EAGER = ["--compile.step", "eager"]
 
 
-def native(folder: Path, processes: int, *extra: str, timeout: int = 900) -> dict:
+def native(folder: Path, processes: int, *extra: str, overrides: dict | None = None,
+           timeout: int = 900) -> dict:
     """train.py's main on `processes` torchrun processes (tests/native_driver.py): rank 0's
-    losses, grad norms and parameter layouts."""
+    losses, grad norms and parameter layouts. `overrides`: ModelArgs fields."""
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(processes), str(REPO / "tests" / "native_driver.py"), *tiny_args(folder, *NATIVE, *extra)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_"))}
-    env["NATIVE_OUT"] = str(out)
+    env["NATIVE_OUT"], env["NATIVE_OVERRIDES"] = str(out), json.dumps(overrides or {})
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -114,13 +115,19 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
 COMPILES = re.compile(r"step:\s+(\d+) .* compiles: (\d+)")
 
 
-def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up(one_process, tmp_path):
+def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up(tmp_path):
     """The default step on the native runtime (`[compile] step` left at its default) is
-    torch.compile per block; a compile after step 2 would stop the run (on_recompile = "error")."""
-    run = native(tmp_path, 1, "--training.local_batch_size", "8", "--debug.on_recompile", "error")
-    assert re.search(r"Compiling \d+ blocks \(torch.compile\)", run["log"])
-    # Inductor fuses the blocks' element-wise ops (other roundings); measured 2e-6 after 10 steps.
-    close(run["losses"], one_process["losses"], rtol=2e-5)
+    torch.compile per block, here on two processes (tp=2) against one eager process. Ten blocks,
+    more than dynamo's recompile limit (8): the blocks must share their graphs. A compile after
+    step 2 would stop the run (on_recompile = "error")."""
+    deep = {"n_layers": 10}
+    eager = native(tmp_path / "eager", 1, *EAGER, "--training.local_batch_size", "8", overrides=deep)
+    run = native(tmp_path / "compiled", 2, "--training.local_batch_size", "8",
+                 "--parallelism.tensor_parallel_degree", "2", "--debug.on_recompile", "error",
+                 overrides=deep)
+    assert "Compiling 10 blocks (torch.compile)" in run["log"]
+    # Inductor fuses the blocks' element-wise ops (other roundings).
+    close(run["losses"], eager["losses"], rtol=2e-5)
     compiles = {int(s): int(n) for s, n in COMPILES.findall(run["log"])}
     assert compiles[1] > 0 and len(set(c for s, c in compiles.items() if s >= 2)) == 1, compiles
 

@@ -85,7 +85,7 @@ _NOT_ON_NATIVE = (
     ("compile", "scan_layers", lambda v: v, "scan is torch_xla's (scan_layers)"),
     ("float8", "enable_float8_linear", lambda v: v, "its dot is an XLA op"),
     ("model", "attention", lambda v: v in ("flash", "splash"), "the Pallas kernels are torch_xla's"),
-    ("model", "flavor", lambda v: v.startswith("mixtral"), "mixture-of-experts blocks are not ported yet"),
+    ("model", "name", lambda v: v == "mixtral", "mixture-of-experts blocks are not ported yet"),
     ("moe", "num_experts", lambda v: v, "mixture-of-experts blocks are not ported yet"),
     ("parallelism", "num_slices", lambda v: v > 1, "multi-slice meshes are torch_xla's HybridMesh"),
     ("optimizer", "name", lambda v: v not in ("AdamW", "Adam"), "only AdamW and Adam are ported yet"),
@@ -107,10 +107,10 @@ def _check_runtime(cfg: JobConfig, sources) -> None:
                               f"the native runtime's; with [runtime] backend = \"xla\" the device is "
                               f"torch_xla's (PJRT_DEVICE)")
         return
-    if step == "lazy":
-        raise ConfigError(f"{sources.describe('compile', 'step')} = \"lazy\" is torch_xla's; with "
+    if step == "lazy" or (step == "replay" and sources.origin("compile", "step") is not None):
+        raise ConfigError(f"{sources.describe('compile', 'step')} = \"{step}\" is torch_xla's; with "
                           f"[runtime] backend = \"native\" use compile or eager")
-    if step == "replay":  # the default: one compiled step, which is torch.compile here
+    if step == "replay":  # the default, one compiled step: torch.compile here
         cfg.compile.step = "compile"
     for section, key, refused, why in _NOT_ON_NATIVE:
         value = getattr(getattr(cfg, section), key)

@@ -186,13 +186,15 @@ def check_slices(hosts: Hosts, num_slices: int) -> None:
 
 
 def host_identity(xla_index: int, xla_count: int, device_type: str,
-                  env: Mapping[str, str] = os.environ) -> Hosts:
+                  env: Mapping[str, str] = os.environ, *, per_device: bool = False) -> Hosts:
     """This process's host rank and count: the XLA runtime's on a real multi-host mesh, the
     launcher's variables where XLA cannot know (the CPU backend: each process has its own mesh).
     ConfigError when the two disagree."""
     launcher = resolve_hosts(env)
     if xla_count > 1:
-        if launcher.count > 1 and launcher.count != xla_count:
+        # With a process per device (the native runtime) each host runs several.
+        if launcher.count > 1 and (xla_count % launcher.count if per_device else
+                                   launcher.count != xla_count):
             raise ConfigError(f"inconsistent host counts: the launcher says {launcher.count} host(s) "
                               f"({launcher.source}), the {device_type} runtime joined {xla_count}")
         return Hosts(xla_count, xla_index, launcher.master_addr, launcher.master_port,

@@ -28,7 +28,8 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
     from torchtitan_xla import runtime
 
     runtime.use(job_config.runtime.backend)
-    out = runtime.process.launch_env(cpu_device_count(job_config), job_config.runtime.device, env)
+    out = runtime.process.launch_env(cpu_device_count(job_config), job_config.runtime.device, env,
+                                     hosts.count)
     if hosts.count > 1:
         # train.py reads these (torchrun's names) whatever the scheduler was.
         out |= {"NNODES": str(hosts.count), "NODE_RANK": str(rank),

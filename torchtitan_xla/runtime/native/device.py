@@ -14,6 +14,7 @@ from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
 
 _kind = "cpu"  # the device kind init_devices chose
+PROCESS_PER_DEVICE = True  # (several processes per host)
 
 
 def _tpu_available() -> bool:

@@ -10,24 +10,31 @@ import os
 import shutil
 from collections.abc import Mapping, MutableMapping
 
+from torchtitan_xla.errors import ConfigError
+
 STEP_COMPILERS = ("compile", "eager")
 
 
-def launch_env(cpu_devices: int, device: str, env: Mapping[str, str]) -> dict[str, str]:
-    """What run_train.sh exports: TTX_RUNTIME=native (it then starts the processes with torchrun)
-    and NPROC_PER_NODE, the processes of this host, unless set: one per GPU (torchrun's "gpu") or
-    TPU chip, or on the CPU as many as the parallel degrees ask for (`cpu_devices`)."""
-    if device == "auto":
-        device = ("tpu" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-                  else "cuda" if shutil.which("nvidia-smi") else "cpu")
+def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int = 1) -> dict[str, str]:
+    """What run_train.sh exports: TTX_RUNTIME=native (it then starts the processes with torchrun),
+    NPROC_PER_NODE (unless set): one per GPU (torchrun's "gpu") or TPU chip, or on the CPU this
+    host's share of the devices the parallel degrees ask for (`cpu_devices` over `hosts`); and
+    OMP_NUM_THREADS, the host's cores shared between them (torchrun would give each one)."""
     chips = len(glob.glob("/dev/accel*")) or len(glob.glob("/dev/vfio/[0-9]*"))
-    count = {"cuda": "gpu", "tpu": str(chips)}.get(device, str(cpu_devices))
-    return {"TTX_RUNTIME": "native", "NPROC_PER_NODE": env.get("NPROC_PER_NODE") or count}
+    if device == "auto":  # as the processes will choose (they check again, with torch)
+        device = "tpu" if chips else "cuda" if shutil.which("nvidia-smi") else "cpu"
+    if device == "tpu" and not chips and not env.get("NPROC_PER_NODE"):
+        raise ConfigError("[runtime] device = \"tpu\": this host has no TPU chips (/dev/accel*, "
+                          "/dev/vfio); set NPROC_PER_NODE if they are elsewhere")
+    count = {"cuda": "gpu", "tpu": str(chips)}.get(device, str(max(1, cpu_devices // max(1, hosts))))
+    out = {"TTX_RUNTIME": "native", "NPROC_PER_NODE": env.get("NPROC_PER_NODE") or count}
+    if out["NPROC_PER_NODE"].isdigit():
+        cores = os.cpu_count() or 1
+        share = max(1, cores // max(1, int(out["NPROC_PER_NODE"])))
+        out["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(share)
+    return out
 
 
 def configure(step_compiler: str, env: MutableMapping[str, str] = os.environ) -> None:
     if step_compiler not in STEP_COMPILERS:
         raise ValueError(f"unknown step compiler {step_compiler!r} for the native runtime")
-    # One process per device: each gets its share of the host's cores, not all of them.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                              // max(1, int(env.get("LOCAL_WORLD_SIZE", "1"))))))

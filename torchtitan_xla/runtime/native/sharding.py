@@ -60,26 +60,40 @@ _gathering = True  # off while initialising: init writes the stored parameter, n
 
 
 class _Gathered:
-    """The property that gives a parameter in its compute layout when the module reads it."""
+    """The property that gives a parameter in its compute layout (`module._compute[name]`) when
+    the module reads it."""
 
-    def __init__(self, name: str, mesh, compute: list):
-        self.name, self.mesh, self.compute = name, mesh, compute
+    def __init__(self, name: str):
+        self.name = name
 
     def __get__(self, module, owner=None):
         if module is None:
             return self
         param = module._parameters[self.name]
-        return param.redistribute(self.mesh, self.compute) if _gathering else param
+        return param.redistribute(*module._compute[self.name]) if _gathering else param
 
     def __set__(self, module, value):
         module._parameters[self.name] = value
+
+
+# One subclass per (class, parameter names), shared by every module of that kind: torch.compile
+# guards on a module's class, and a class per module gave each block its own graph (the 9th
+# block then hit dynamo's recompile limit).
+_CLASSES: dict[tuple, type] = {}
+
+
+def _gathering_class(cls: type, names: tuple[str, ...]) -> type:
+    key = (cls, names)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(cls.__name__, (cls,), {n: _Gathered(n) for n in names})
+    return _CLASSES[key]
 
 
 def distribute_module(model: nn.Module, mesh) -> None:
     """Every parameter becomes a DTensor Parameter of its `_partition_spec` (replicated if none),
     read in its `_compute_spec` layout where it has one (FSDP's gather)."""
     for module in list(model.modules()):
-        gathered = {}
+        compute = {}
         for name, p in list(module._parameters.items()):
             if p is None or isinstance(p, DTensor):
                 continue
@@ -90,10 +104,10 @@ def distribute_module(model: nn.Module, mesh) -> None:
             # Read through a redistribute even where the layout stays: its backward brings the
             # gradient to the parameter's layout (a replicated norm weight's gradient is otherwise
             # left partial over tp, and every tensor of its optimizer step with it).
-            compute = getattr(p, "_compute_spec", None) or spec
-            gathered[name] = _Gathered(name, mesh, placements(mesh, compute))
-        if gathered:
-            module.__class__ = type(module.__class__.__name__, (module.__class__,), gathered)
+            compute[name] = (mesh, placements(mesh, getattr(p, "_compute_spec", None) or spec))
+        if compute:
+            module._compute = compute
+            module.__class__ = _gathering_class(module.__class__, tuple(compute))
 
 
 def constraint(mesh, spec: Sequence) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -160,18 +174,28 @@ def run_locally(module: nn.Module, mesh, specs: Sequence, out_spec: Sequence) ->
     `specs`, one per argument), returning blocks of `out_spec`: torch's local_map. For code that
     is independent per block (attention per sequence and head) and whose ops DTensor has no
     rules for."""
-    from torch.distributed.tensor.experimental import local_map
+    module._local = (mesh, [placements(mesh, s) for s in specs], placements(mesh, out_spec))
+    module.__class__ = _local_class(module.__class__)
 
-    original = module.forward
-    out = placements(mesh, out_spec)
-    ins = [placements(mesh, s) for s in specs]
 
-    def forward(*args):
-        local = local_map(original, out_placements=out, in_placements=tuple(ins[:len(args)]),
-                          device_mesh=mesh, redistribute_inputs=True)
-        return local(*(_ContiguousGrad.apply(a) if isinstance(a, DTensor) else a for a in args))
+_LOCAL_CLASSES: dict[type, type] = {}
 
-    module.forward = forward
+
+def _local_class(cls: type) -> type:
+    """`cls` with its forward run by local_map; one per class, shared by every block, and reading
+    its layouts from the instance (a per-module closure gave each block its own compiled graph)."""
+    if cls not in _LOCAL_CLASSES:
+        from torch.distributed.tensor.experimental import local_map
+
+        def forward(self, *args):
+            mesh, ins, out = self._local
+            local = local_map(lambda *a: cls.forward(self, *a), out_placements=out,
+                              in_placements=tuple(ins[:len(args)]), device_mesh=mesh,
+                              redistribute_inputs=True)
+            return local(*(_ContiguousGrad.apply(a) if isinstance(a, DTensor) else a for a in args))
+
+        _LOCAL_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward})
+    return _LOCAL_CLASSES[cls]
 
 
 class FullTensorInit(TorchDispatchMode):
@@ -179,8 +203,6 @@ class FullTensorInit(TorchDispatchMode):
     tensor is drawn on the host from torch's generator and each process keeps its block. (DTensor's
     own random ops draw per block, from a per-device generator the CPU lacks: every block of a
     sharded parameter got the same numbers.) One parameter's full size at a time on the host."""
-
-    RANDOM = {torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default}
 
     def __enter__(self):
         global _gathering
@@ -195,7 +217,10 @@ class FullTensorInit(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else None
-        if func in self.RANDOM and isinstance(target, DTensor):
+        if torch.Tag.nondeterministic_seeded in func.tags and isinstance(target, DTensor):
+            if not func._schema.name.endswith("_"):  # only in-place fills have a target to cut
+                raise NotImplementedError(f"{func} on a DTensor while initialising: use an "
+                                          f"in-place init (nn.init.*)")
             with torch.no_grad():
                 full = torch.empty(target.shape, dtype=target.dtype)
                 func(full, *args[1:], **kwargs)

@@ -11,6 +11,8 @@ import torch
 from torchtitan_xla.logging import logger
 from torchtitan_xla.runtime.xla.process import installed_torch_xla, version_warning
 
+PROCESS_PER_DEVICE = False  # one process drives every device of its host
+
 
 def init_devices(device: str = "auto") -> torch.device:
     """Start XLA in SPMD mode (one process drives every device of its host, XLA partitions each

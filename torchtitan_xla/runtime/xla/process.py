@@ -112,10 +112,10 @@ CPU_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 
 
-def launch_env(cpu_devices: int, device: str, env: Mapping[str, str]) -> dict[str, str]:
+def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int = 1) -> dict[str, str]:
     """What run_train.sh exports for this runtime: the PJRT device, and on the CPU backend the
-    virtual device count (`cpu_devices` unless CPU_NUM_DEVICES is set) and the malloc variables.
-    (`device` is the native runtime's.)"""
+    virtual device count (`cpu_devices` unless CPU_NUM_DEVICES is set: each host's process has its
+    own mesh) and the malloc variables. (`device` is the native runtime's.)"""
     pjrt = env.get("PJRT_DEVICE", "CPU")
     out = {"PJRT_DEVICE": pjrt}
     if pjrt == "CPU":
