@@ -27,10 +27,12 @@ from torchtitan_xla.config import ConfigError
 def _save(state: dict, folder) -> str:
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_xla.checkpoint.commit import quiet_dcp
+    from torchtitan_xla.checkpoint.commit import quiet_dcp, writer
 
     quiet_dcp()  # DCP's warning that there is no process group
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    # The project's writer: DCP's own overlapping loader breaks once torchax (scan) has registered
+    # its device module in this process, as another test does.
+    dcp.save(state, storage_writer=writer(str(folder)), no_dist=True)
     return str(folder)
 
 
