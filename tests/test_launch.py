@@ -3,7 +3,9 @@ dry run, and bad input (one line, exit 2, before anything starts). No XLA here."
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -314,3 +316,29 @@ def test_eval_help_names_the_evaluation_and_what_it_needs():
     assert p.stdout.startswith("usage: python -m torchtitan_xla.eval --job.config_file FILE --eval.tasks "
                                "KIND:PATH[,...] [--eval.checkpoint STEP_OR_HF_FOLDER]")
     assert "--eval.tasks list[str]" in p.stdout
+
+
+def test_native_launch_refuses_a_device_the_host_lacks_in_one_line(tmp_path):
+    """run_train.sh's exports for the native runtime: a GPU or TPU the host does not have is one
+    line, exit 2, before torchrun starts (whose own check is a traceback); the CPU gets one process
+    per device the degrees ask for, sharing the cores."""
+    from torchtitan_xla.runtime.native.process import launch_env
+
+    if not shutil.which("nvidia-smi"):
+        with pytest.raises(ConfigError, match=r'device = "cuda": this host has no NVIDIA GPU'):
+            launch_env(8, "cuda", {})
+    if not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+        with pytest.raises(ConfigError, match=r'device = "tpu": this host has no TPU chips'):
+            launch_env(8, "tpu", {})
+    cpu = launch_env(8, "cpu", {}, hosts=2)
+    assert (cpu["TTX_RUNTIME"], cpu["NPROC_PER_NODE"]) == ("native", "4")
+    assert cpu["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
+    assert launch_env(8, "cpu", {"NPROC_PER_NODE": "2"})["NPROC_PER_NODE"] == "2"
+    p = subprocess.run([str(REPO / "run_train.sh"), "--runtime.backend", "native", "--runtime.device",
+                        "cuda", "--job.dump_folder", str(tmp_path)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    if not shutil.which("nvidia-smi"):
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().splitlines() == [
+            'error: command line: --runtime.device = "cuda": this host has no NVIDIA GPU (no '
+            'nvidia-smi); set NPROC_PER_NODE if it has one']

@@ -26,6 +26,10 @@ def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int
     if device == "tpu" and not chips and not env.get("NPROC_PER_NODE"):
         raise ConfigError("[runtime] device = \"tpu\": this host has no TPU chips (/dev/accel*, "
                           "/dev/vfio); set NPROC_PER_NODE if they are elsewhere")
+    if device == "cuda" and not shutil.which("nvidia-smi") and not env.get("NPROC_PER_NODE"):
+        # (torchrun's "gpu" count would stop with a traceback.)
+        raise ConfigError("[runtime] device = \"cuda\": this host has no NVIDIA GPU (no nvidia-smi); "
+                          "set NPROC_PER_NODE if it has one")
     count = {"cuda": "gpu", "tpu": str(chips)}.get(device, str(max(1, cpu_devices // max(1, hosts))))
     out = {"TTX_RUNTIME": "native", "NPROC_PER_NODE": env.get("NPROC_PER_NODE") or count}
     if out["NPROC_PER_NODE"].isdigit():
