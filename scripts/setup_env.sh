@@ -1,8 +1,10 @@
 # Sourced by run_train.sh and tests/run_tests.sh: choose the Python to run with, installing what
 # is missing. Sets PY.
 #
-#  - The active Python (or $PYTHON) when it can already import torch_xla (a TPU VM has it): this
-#    package and its other dependencies are added to it, torch and torch_xla are left untouched.
+#  - The active Python (or $PYTHON) when its torch already drives an accelerator: torch_xla (a TPU
+#    VM has it), torch-tpu, or a CUDA build of torch (a GPU machine's): this package's other
+#    dependencies are added to it, its torch is left untouched. Without torch_xla only the native
+#    runtime ([runtime] backend = "native") runs there.
 #  - Otherwise ./.venv, created and installed on first use (and again when pyproject.toml changes).
 #
 # Usage: setup_python [dev]
@@ -25,6 +27,23 @@ _restore_torchax() {
     "$("$PY" "$_TTX_REPO/scripts/requirements.py" | grep '^torchax')"
 }
 
+# Whether Python $1's torch is a CUDA build: torch/version.py read, not imported.
+_cuda_torch() {
+  "$1" -c 'import importlib.util as u, pathlib, re, sys
+s = u.find_spec("torch")
+sys.exit(s is None or not re.search(r"^cuda\b.*= *.[0-9]", (pathlib.Path(s.origin).parent / "version.py").read_text(), re.M))' \
+    >/dev/null 2>&1
+}
+
+# Prints Python $1's name if its torch drives a device of its own: torch_xla, torch-tpu, or a CUDA
+# build where there is a GPU (PyPI's torch is a CUDA build, also on CPU-only machines).
+_device_python() {
+  if _has_modules "$1" torch_xla || _has_modules "$1" torch_tpu \
+      || { command -v nvidia-smi >/dev/null && _cuda_torch "$1"; }; then
+    echo "$1"
+  fi
+}
+
 setup_python() {
   local extras="${1:-}"
   local base="${PYTHON:-python3}"
@@ -33,14 +52,17 @@ setup_python() {
   local stamp_id
   stamp_id="$(cksum < "$_TTX_REPO/pyproject.toml" | cut -d' ' -f1)-${extras:-base}"
 
-  if _has_modules "$base" torch_xla; then
+  if [[ -n "$(_device_python "$base")" ]]; then
     PY="$(command -v "$base")"
+    local keep=(torch torch_xla)  # what pip must not replace
+    # torch_xla's bridge to JAX: nothing without torch_xla uses them
+    if ! _has_modules "$PY" torch_xla; then keep+=(jax jaxlib torchax); fi
     if ! _has_modules "$PY" torchtitan_xla tiktoken sentencepiece tomli_w datasets torchdata transformers \
         || { [[ -n "$extras" ]] && ! _has_modules "$PY" pytest; }; then
-      echo "[setup] adding torchtitan_xla to $PY (torch and torch_xla left as they are)" >&2
+      echo "[setup] adding torchtitan_xla to $PY (its torch left as it is)" >&2
       "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
-      "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude torch torch_xla)
-      _restore_torchax
+      "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude "${keep[@]}")
+      if _has_modules "$PY" torch_xla; then _restore_torchax; fi
     fi
     return 0
   fi

@@ -342,3 +342,44 @@ def test_native_launch_refuses_a_device_the_host_lacks_in_one_line(tmp_path):
         assert p.stderr.strip().splitlines() == [
             'error: command line: --runtime.device = "cuda": this host has no NVIDIA GPU (no '
             'nvidia-smi); set NPROC_PER_NODE if it has one']
+
+
+def test_a_gpu_machines_python_is_kept_and_the_xla_runtime_refused_there(tmp_path, monkeypatch):
+    """scripts/setup_env.sh keeps a Python whose torch drives a device (torch_xla, torch-tpu, a
+    CUDA build where nvidia-smi is) instead of making .venv; on such a Python without torch_xla
+    the default runtime is refused in one line by the launcher."""
+    def kept(cuda: str, gpu: bool, extra: str = "") -> bool:
+        stub = tmp_path / f"stub-{cuda}-{gpu}-{extra}"
+        (stub / "torch").mkdir(parents=True)
+        (stub / "torch" / "__init__.py").write_text("")
+        (stub / "torch" / "version.py").write_text(f"__version__ = '2.11.0'\ncuda: Optional[str] = {cuda}\n")
+        if extra:
+            (stub / extra).mkdir()
+            (stub / extra / "__init__.py").write_text("")
+        bin_dir = tmp_path / f"bin-{gpu}"
+        bin_dir.mkdir(exist_ok=True)
+        if gpu:
+            (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n")
+            (bin_dir / "nvidia-smi").chmod(0o755)
+        python = tmp_path / "python"  # this Python without its site-packages: the stubs alone
+        python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+        python.chmod(0o755)
+        script = f'source {REPO}/scripts/setup_env.sh; _device_python "$1"'
+        p = subprocess.run(["bash", "-c", script, "bash", str(python)], capture_output=True, text=True,
+                           env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(stub)})
+        return p.stdout.strip() == str(python)
+
+    assert kept("'13.0'", gpu=True)
+    assert not kept("'13.0'", gpu=False)  # PyPI's CUDA torch on a CPU-only machine: .venv
+    assert not kept("None", gpu=True)
+    assert kept("None", gpu=False, extra="torch_tpu")
+
+    import importlib.util
+
+    from torchtitan_xla.runtime.xla import process
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else real(name, *a))
+    with pytest.raises(ConfigError, match=r'backend = "xla": this Python \(.*\) has no torch_xla; with '
+                                          r'torch-tpu or on a GPU use backend = "native"'):
+        process.launch_env(1, "auto", {})

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import REPO, capture_logs, tiny_args
 
-from torchtitan_xla import metrics
+from torchtitan_xla import metrics, peak_flops
 from torchtitan_xla.config import ConfigError, parse_args
 
 SEQ_LEN = 32  # no other in-process test uses it, so the graph compile counts here are our own
@@ -308,18 +308,27 @@ def test_max_loss_over_two_data_parallel_ranks(tmp_path, xla_device):
     ("v6e-8", "v6e"), ("TPU7x", "v7"), ("tpu7x-8", "v7"), ("v7", "v7"),
     ("TPU v4 lite", None), ("TPU v3", None), ("CPU", None), ("TPU", None), ("v2-8", None)])
 def test_tpu_generation_from_device_kind_or_accelerator_type(kind, generation):
-    assert metrics.tpu_generation(kind) == generation
+    assert peak_flops.tpu_generation(kind) == generation
 
 
 def test_peak_flops_table_override_and_float8_hook():
-    assert metrics.resolve_peak_flops("v5p-8", None) == (
+    assert peak_flops.resolve_peak_flops("v5p-8", None) == (
         459e12, "TPU v5p bf16 peak 459 TFLOP/s per device")
-    assert metrics.resolve_peak_flops("tpu7x-8", None)[0] == 1153.5e12  # 2307 per 2-device chip
-    assert metrics.resolve_peak_flops("v6e-8", 5e9) == (5e9, "metrics.peak_flops = 5e+09")
-    assert metrics.resolve_peak_flops("CPU", None) == (
+    assert peak_flops.resolve_peak_flops("tpu7x-8", None)[0] == 1153.5e12  # 2307 per 2-device chip
+    assert peak_flops.resolve_peak_flops("v6e-8", 5e9) == (5e9, "metrics.peak_flops = 5e+09")
+    assert peak_flops.resolve_peak_flops("CPU", None) == (
         None, "no peak FLOP/s known for 'CPU' (set metrics.peak_flops)")
-    assert metrics.resolve_peak_flops("v6e-8", None, float8=True)[0] is None
-    assert metrics.resolve_peak_flops("v6e-8", 1e15, float8=True)[0] == 1e15
+    assert peak_flops.resolve_peak_flops("v6e-8", None, float8=True)[0] is None
+    assert peak_flops.resolve_peak_flops("v6e-8", 1e15, float8=True)[0] == 1e15
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA B200", 2.25e15),
+    ("NVIDIA GB200", 2.5e15), ("AMD Instinct MI300X", 1307e12), ("NVIDIA GeForce RTX 4090", None)])
+def test_gpu_peak_comes_from_the_device_name(name, peak):
+    """torch.cuda.get_device_name's text: the longest matching model wins (H100 NVL, not H100)."""
+    assert peak_flops.resolve_peak_flops(name, None)[0] == peak
 
 
 def test_tpu_kind_comes_from_the_accelerator_type(monkeypatch):
@@ -327,9 +336,9 @@ def test_tpu_kind_comes_from_the_accelerator_type(monkeypatch):
 
     monkeypatch.setattr(xr, "device_type", lambda: "TPU")
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-16")
-    kind = metrics.detect_device_kind()
+    kind = peak_flops.detect_device_kind()
     assert kind == "v5litepod-16"
-    assert metrics.resolve_peak_flops(kind, None)[0] == 197e12
+    assert peak_flops.resolve_peak_flops(kind, None)[0] == 197e12
 
 
 def test_memory_shows_hbm_where_the_runtime_has_it_else_labelled_host_rss(monkeypatch, xla_device):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from torchtitan_xla import runtime
 from torchtitan_xla.errors import ConfigError, first_line
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.args import ModelArgs
+from torchtitan_xla.peak_flops import detect_device_kind, resolve_peak_flops
 from torchtitan_xla.storage import local_outputs
 from torchtitan_xla.utils import host_memory_gib
 
@@ -46,66 +46,6 @@ def max_rank_loss(token_losses, counted=None):
     if counted is None:
         return token_losses.mean(1).max()
     return (token_losses.sum(1) / counted.sum(1).clamp(min=1)).max()
-
-
-# --------------------------------------------------------------------------------------------
-# Peak FLOP/s
-# --------------------------------------------------------------------------------------------
-
-# Dense bf16 FLOP/s per device, torchtitan's table. A TPU7x chip shows up as two devices, so its
-# per-chip peak is halved (torchtitan's convention too).
-PEAK_BF16_FLOPS = {
-    "v4": 275e12,
-    "v5e": 197e12,
-    "v5p": 459e12,
-    "v6e": 918e12,
-    "v7": 2307e12 / 2,
-}
-
-
-def tpu_generation(kind: str) -> str | None:
-    """The `PEAK_BF16_FLOPS` key for any name a TPU generation goes by: a PJRT device kind
-    ("TPU v5 lite", "TPU v6 lite", "TPU7x") or an accelerator type ("v5litepod-16", "v5p-8",
-    "v6e-8", "tpu7x-8"); None when it is not one of the table's generations."""
-    name = kind.lower().replace(" ", "").split("-")[0].removeprefix("tpu")
-    m = re.fullmatch(r"v?(\d)([a-z]*)", name)
-    if not m:
-        return None
-    generation, variant = m.groups()
-    return {
-        ("4", ""): "v4",
-        ("5", "lite"): "v5e", ("5", "litepod"): "v5e", ("5", "e"): "v5e",
-        ("5", ""): "v5p", ("5", "p"): "v5p",
-        ("6", "lite"): "v6e", ("6", "e"): "v6e",
-        ("7", ""): "v7", ("7", "x"): "v7",
-    }.get((generation, variant))
-
-
-def detect_device_kind() -> str:
-    """What the device is, as precisely as the runtime tells: "CPU", or for TPUs the accelerator
-    type ("v5p-128"); "TPU" if even that is unknown (MFU is then n/a). Not verified on TPU."""
-    device_type = runtime.device_type()
-    if device_type != "TPU":
-        return device_type
-    return runtime.tpu_accelerator_type() or "TPU"
-
-
-def resolve_peak_flops(device_kind: str, override: float | None, *,
-                       float8: bool = False) -> tuple[float | None, str]:
-    """(peak FLOP/s per device for MFU, where it comes from). None means MFU is shown as n/a.
-
-    `override` (`metrics.peak_flops`) always wins. `float8` is the hook for float8 training: a
-    bf16 peak is the wrong yardstick for float8 matmuls, so MFU is n/a unless overridden.
-    """
-    if override is not None:
-        return override, f"metrics.peak_flops = {override:.4g}"
-    if float8:
-        return None, "float8 matmuls (set metrics.peak_flops to compare against a peak)"
-    generation = tpu_generation(device_kind)
-    if generation is None:
-        return None, f"no peak FLOP/s known for {device_kind!r} (set metrics.peak_flops)"
-    peak = PEAK_BF16_FLOPS[generation]
-    return peak, f"TPU {generation} bf16 peak {peak / 1e12:g} TFLOP/s per device"
 
 
 # --------------------------------------------------------------------------------------------

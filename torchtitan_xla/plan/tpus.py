@@ -2,7 +2,7 @@
 
 Every figure is Google Cloud's own, from the page in `source` (read 2026-11): HBM capacity and the
 bidirectional inter-chip-interconnect (ICI) bandwidth per chip; the bf16 peaks are the MFU's
-(`metrics.PEAK_BF16_FLOPS`, same pages).
+(`peak_flops.PEAK_BF16_FLOPS`, same pages).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from torchtitan_xla.errors import ConfigError
-from torchtitan_xla.metrics import PEAK_BF16_FLOPS
+from torchtitan_xla.peak_flops import PEAK_BF16_FLOPS
 
 GiB = 2**30
 

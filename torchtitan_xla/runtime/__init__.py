@@ -35,7 +35,7 @@ _EXPORTS = {
     "device": ("init_devices", "current_device", "device_type", "device_count", "process_index",
                "process_count", "master_ip", "sync", "materialise", "wait", "to_device", "to_host",
                "set_seed", "rng_state", "set_rng_state", "compile_stats", "metrics_report",
-               "memory_info", "tpu_accelerator_type", "slice_count", "start_trace", "stop_trace",
+               "memory_info", "accelerator_type", "slice_count", "start_trace", "stop_trace",
                "autocast_device_type", "initialising", "PROCESS_PER_DEVICE"),
     "process": ("configure", "STEP_COMPILERS", "launch_env"),
     "sharding": ("build_mesh", "mark_sharding", "place", "distribute_module", "constraint",

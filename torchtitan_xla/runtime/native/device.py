@@ -174,9 +174,12 @@ def memory_info(dev: torch.device) -> dict[str, int]:
             "peak_bytes_used": stats.get("allocated_bytes.all.peak", 0), "bytes_limit": limit}
 
 
-def tpu_accelerator_type() -> str | None:
-    """GKE's variable; not verified on TPU."""
-    return os.environ.get("TPU_ACCELERATOR_TYPE") or None
+def accelerator_type() -> str | None:
+    """The accelerator's model, for the MFU peak: a GPU's name ("NVIDIA H200"); a TPU slice's type
+    from GKE's variable (not verified on TPU); None on the CPU."""
+    if _kind == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return os.environ.get("TPU_ACCELERATOR_TYPE") or None if _kind == "tpu" else None
 
 
 def slice_count() -> int:

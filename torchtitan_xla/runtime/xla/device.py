@@ -165,7 +165,7 @@ def memory_info(dev: torch.device) -> dict[str, int]:
         raise RuntimeError(f"the {device_type()} runtime keeps no allocator statistics") from None
 
 
-def tpu_accelerator_type() -> str | None:
+def accelerator_type() -> str | None:
     """The TPU slice's accelerator type ("v5p-128") from GKE's variable or the TPU VM metadata;
     None when neither says. (Under SPMD torch_xla 2.9's device-kind query fails.) Not verified on
     TPU."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes.util
 import importlib.metadata
+import importlib.util
 import os
+import sys
 from collections.abc import Mapping, MutableMapping
 
 from torchtitan_xla.errors import ConfigError
@@ -116,6 +118,9 @@ def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int
     """What run_train.sh exports for this runtime: the PJRT device, and on the CPU backend the
     virtual device count (`cpu_devices` unless CPU_NUM_DEVICES is set: each host's process has its
     own mesh) and the malloc variables. (`device` is the native runtime's.)"""
+    if importlib.util.find_spec("torch_xla") is None:  # a GPU machine's or torch-tpu's Python
+        raise ConfigError(f"[runtime] backend = \"xla\": this Python ({sys.executable}) has no torch_xla; "
+                          "with torch-tpu or on a GPU use backend = \"native\"")
     pjrt = env.get("PJRT_DEVICE", "CPU")
     out = {"PJRT_DEVICE": pjrt}
     if pjrt == "CPU":
