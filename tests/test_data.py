@@ -341,6 +341,18 @@ def test_synthetic_tokens_are_deterministic_per_host_and_resumable():
     resumed = loader(*args, batch_size=4, tokenizer=tok)
     resumed.load_state_dict(state)
     assert same(take(iter(resumed), 4), a[2:])
+    # Resumed on another number of data-parallel ranks (another mesh or runtime): the global batch
+    # continues where the state counted, from one host's 4 rows to two hosts' 2 and back.
+    for r in (0, 1):
+        half = loader(*args, batch_size=2, tokenizer=tok, host_rank=r, host_count=2)
+        half.load_state_dict(state)
+        assert all(torch.equal(got[0], want[0][2 * r:2 * r + 2])
+                   for got, want in zip(take(iter(half), 3), a[2:5]))
+        later = half.state_dict()
+        half.close()
+    whole = loader(*args, batch_size=4, tokenizer=tok)
+    whole.load_state_dict(later)
+    assert same(take(iter(whole), 1), a[5:6])
 
 
 # --------------------------------------------------------------------------------------------

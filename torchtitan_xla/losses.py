@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from torchtitan_xla import runtime
 from torchtitan_xla.config import JobConfig
@@ -37,8 +38,10 @@ LossFn = Callable[..., torch.Tensor]
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0,
                  z_loss: float = 0.0) -> torch.Tensor:
-    """The loss of every token from full logits [..., vocab] (computed in float32 or wider)."""
+    """The loss of every token from logits [..., vocab] (computed in float32 or wider)."""
     logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    if isinstance(logits, DTensor):
+        return _vocab_parallel_token_losses(logits, labels, label_smoothing, z_loss)
     flat = logits.flatten(0, -2)
     losses = F.cross_entropy(flat, labels.flatten(), reduction="none", label_smoothing=label_smoothing,
                              ignore_index=IGNORE_INDEX)
@@ -46,6 +49,24 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing:
         valid = labels.flatten() != IGNORE_INDEX
         losses = losses + z_loss * torch.logsumexp(flat, dim=-1).square() * valid
     return losses.view(labels.shape)
+
+
+def _vocab_parallel_token_losses(logits: DTensor, labels: torch.Tensor, label_smoothing: float,
+                                 z_loss: float) -> torch.Tensor:
+    """token_losses on the native runtime's DTensor logits, as four reductions over the vocabulary
+    (the max, the sum of exponentials, the label's logit, the sum): on vocab-sharded logits each is
+    a per-shard value all-reduced over `tp`, so the full logits never exist on one device (DTensor
+    has no such rule for F.cross_entropy or logsumexp: it would gather them)."""
+    valid = (labels != IGNORE_INDEX).unsqueeze(-1)  # [..., 1] throughout: DTensor's masked
+    # partial (the label's logit on the shard that holds it) must be reduced in the gather's shape
+    top = logits.detach().amax(-1, keepdim=True)  # exp's range; its gradient would cancel
+    lse = top + (logits - top).exp().sum(-1, keepdim=True).log()
+    losses = lse - (1 - label_smoothing) * logits.gather(-1, torch.where(valid, labels.unsqueeze(-1), 0))
+    if label_smoothing:
+        losses = losses - label_smoothing * logits.mean(-1, keepdim=True)
+    if z_loss:
+        losses = losses + z_loss * lse.square()
+    return torch.where(valid, losses, 0.0).squeeze(-1)
 
 
 def _chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -125,12 +125,17 @@ def write_hf(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path
 # ---- between host tensors and the model --------------------------------------------------------
 
 
-def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full host copies of the model's parameters (each one gathered from its shards)."""
+def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None, *,
+                      keep: bool = True) -> dict[str, torch.Tensor]:
+    """Full host copies of the model's parameters (each one gathered from its shards, one at a
+    time). With a process per device every process takes part in each gather; those with `keep`
+    false drop the copies (only the writer needs them)."""
     out = {}
     for name, t in model.state_dict().items():
-        t = t.detach().cpu()
-        out[name] = t.to(dtype) if dtype is not None else t
+        (t,) = runtime.whole([t.detach()])
+        if keep:
+            t = t.cpu()
+            out[name] = t.to(dtype) if dtype is not None else t
     return out
 
 

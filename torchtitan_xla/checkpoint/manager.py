@@ -229,12 +229,15 @@ class CheckpointManager:
         with LoRA, merged, and the adapters alone as a PEFT folder <folder>/step-<N>-peft."""
         from torchtitan_xla.checkpoint.hf import export_hf, export_peft, gather_state_dict
 
-        if self.host_count > 1:
+        if self.host_count > 1 and not runtime.PROCESS_PER_DEVICE:
             logger.warning("last_save_in_hf: with several hosts, convert the saved checkpoint with "
                            "scripts/convert_to_hf.py instead (one host cannot gather every shard)")
             return None
-        out = storage.join(self.folder, f"step-{step}-hf")
-        state, dtype = gather_state_dict(self.model), getattr(torch, self.cfg.export_dtype)
+        # With a process per device (native) all gather every parameter, process 0 writes.
+        state = gather_state_dict(self.model, keep=self.host_rank == 0)
+        if self.host_rank != 0:
+            return None
+        out, dtype = storage.join(self.folder, f"step-{step}-hf"), getattr(torch, self.cfg.export_dtype)
         with storage.local_folder(out) as local:
             export_hf(state, self.model_args, local, dtype=dtype, tokenizer=tokenizer, lora=self.lora)
         logger.info(f"HuggingFace export written to {out}" + (" (LoRA merged)" if self.lora else ""))
@@ -310,7 +313,11 @@ class CheckpointManager:
                               f"resume with the config that wrote it, or start in a new [job] dump_folder")
         if loader_key in states:
             saved_hosts = sum(k.startswith("dataloader/host_") for k in saved)
-            if saved_hosts != self.data_count:
+            if saved_hosts != self.data_count and self.data_loader.reshardable:
+                # Every rank's state counts the same global batches: rank 0's continues any layout.
+                states[_loader_key(0)] = states.pop(loader_key)
+                loader_key = _loader_key(0)
+            elif saved_hosts != self.data_count:
                 raise ConfigError(
                     f"checkpoint {path}: its data-loader state was saved by {saved_hosts} host(s), "
                     f"this run loads data on {self.data_count}; add dataloader to "

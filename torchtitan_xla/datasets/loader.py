@@ -8,6 +8,11 @@ training loop's `next()` only blocks when that thread is behind.
 The thread runs ahead of the loop, so the loader's own state is ahead of the last batch the
 loop took. `state_dict()` therefore returns the state recorded with the last batch *handed out*:
 restoring it replays exactly the batches the interrupted run had prefetched but not trained on.
+
+A state restored on another number of data-parallel ranks (another mesh, another runtime) can only
+continue a dataset whose rows are a function of their global position (`seek`, synthetic data):
+it continues at the global batch the state counted. A text stream is split per rank, so its
+order depends on the number of ranks and cannot be re-split.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class DataLoader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._state: dict | None = None  # host loader state after the last batch handed out
+        self._batches = 0  # batches handed out, resumes included
         self._finished = False
 
     # -- iteration ---------------------------------------------------------------------------
@@ -77,6 +83,7 @@ class DataLoader:
             self._finished = True
             raise _unwrap_worker_error(item.error)
         batch, self._state = item
+        self._batches += 1
         return batch
 
     def _produce(self) -> None:
@@ -119,11 +126,20 @@ class DataLoader:
     def state_dict(self) -> dict[str, Any]:
         # "loader": the StatefulDataLoader's state after the last batch handed out (None: none yet).
         return {"host_rank": self.host_rank, "host_count": self.host_count,
-                "num_workers": self.num_workers, "loader": self._state}
+                "num_workers": self.num_workers, "loader": self._state, "batches": self._batches}
+
+    @property
+    def reshardable(self) -> bool:
+        """Whether a state saved on another number of data-parallel ranks can be restored here."""
+        return self.num_workers == 0 and hasattr(self.host_loader.dataset, "seek")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._thread is not None:
             raise RuntimeError("DataLoader.load_state_dict must be called before iterating")
+        if state["host_count"] != self.host_count and self.reshardable and "batches" in state:
+            self._batches = state["batches"]
+            self.host_loader.dataset.seek(self._batches)
+            return
         if (state["host_count"], state["host_rank"]) != (self.host_count, self.host_rank):
             raise ConfigError(
                 f"data loader checkpoint: saved by host {state['host_rank']} of "
@@ -133,6 +149,6 @@ class DataLoader:
             raise ConfigError(
                 f"[training] num_workers = {self.num_workers}: the data loader checkpoint was "
                 f"saved with num_workers = {state['num_workers']}; resume with the same value")
-        self._state = state["loader"]
+        self._state, self._batches = state["loader"], state.get("batches", 0)
         if self._state is not None:
             self.host_loader.load_state_dict(self._state)

@@ -284,3 +284,7 @@ class SyntheticDataset(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._index = state["index"]
+
+    def seek(self, batches: int) -> None:
+        """Continue after `batches` global batches (one worker): on any number of hosts."""
+        self._index = batches * self._batch

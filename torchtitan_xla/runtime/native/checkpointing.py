@@ -1,7 +1,7 @@
 """What torch.distributed.checkpoint needs on the native runtime: DCP's own planners, which save
-and load DTensors shard by shard (each process writes its own blocks; any mesh loads them), and
-state that needs no staging copy (a save is synchronous: `[checkpoint] async_mode` is the XLA
-runtime's for now).
+and load DTensors shard by shard (each process writes its own blocks; any mesh loads them). An
+asynchronous save writes a copy of each process's blocks made on its device (`device_snapshot`)
+while training goes on; DCP copies to the host as it writes.
 
 The planners flatten the state into keys as the XLA runtime's (torch_xla's) do, so that either
 runtime reads the other's checkpoints: a dict or list with no tensor inside is one key
@@ -71,12 +71,28 @@ def load_planner():
 
 
 def host_copy(states: dict[str, Any]) -> dict[str, Any]:
-    """The state as it is: DCP copies each process's blocks itself while writing."""
+    """The state as it is: DCP copies each process's blocks to the host while writing."""
     return states
 
 
-def device_snapshot(states: dict[str, Any]) -> dict[str, Any]:
-    raise NotImplementedError("asynchronous saves are the XLA runtime's")
+def device_snapshot(states: dict[str, Any]) -> Any:
+    """A copy of every tensor in `states` on its device, a DTensor's block with its layout, for a
+    save written while the training loop updates the originals."""
+    from torch.distributed.tensor import DTensor
+
+    def copy(value):
+        if isinstance(value, DTensor):
+            return DTensor.from_local(value.to_local().detach().clone(), value.device_mesh, value.placements,
+                                      run_check=False, shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if isinstance(value, Mapping):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    return copy(states)
 
 
 def is_out_of_memory(e: BaseException) -> bool:

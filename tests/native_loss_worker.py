@@ -1,0 +1,46 @@
+"""tests/test_native_runtime.py's torchrun worker for the vocab-parallel loss: token_losses on
+logits sharded over the vocabulary of a (fsdp, tp) mesh against F.cross_entropy on the whole
+logits in float64, values and gradients, and the collectives it ran. Rank 0 writes $NATIVE_OUT."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from torchtitan_xla.losses import IGNORE_INDEX, token_losses  # noqa: E402
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("fsdp", "tp"))
+report = []
+for batch, seq, vocab, eps, z in [(2, 5, 12, 0.0, 0.0), (4, 3, 20, 0.1, 1e-3), (2, 7, 8, 0.2, 1e-2)]:
+    g = torch.Generator().manual_seed(batch * seq * vocab)
+    x = torch.randn(batch, seq, vocab, dtype=torch.float64, generator=g) * 4
+    labels = torch.randint(vocab, (batch, seq), generator=g)
+    labels[0, 1] = labels[-1, -1] = IGNORE_INDEX
+    upstream = torch.randn(batch, seq, dtype=torch.float64, generator=g)
+    whole = x.clone().requires_grad_()
+    want = F.cross_entropy(whole.flatten(0, 1), labels.flatten(), reduction="none", label_smoothing=eps,
+                           ignore_index=IGNORE_INDEX).view(batch, seq)
+    want = want + z * torch.logsumexp(whole, -1).square() * (labels != IGNORE_INDEX)
+    (want * upstream).sum().backward()
+    sharded = distribute_tensor(x, mesh, [Shard(0), Shard(2)]).requires_grad_()
+    dlabels = distribute_tensor(labels, mesh, [Shard(0), Replicate()])
+    dup = distribute_tensor(upstream, mesh, [Shard(0), Replicate()])
+    with CommDebugMode() as comm:
+        got = token_losses(sharded, dlabels, label_smoothing=eps, z_loss=z)
+        (got * dup).sum().backward()
+    report.append({"value": (got.full_tensor() - want).abs().max().item(),
+                   "grad": (sharded.grad.full_tensor() - whole.grad).abs().max().item(),
+                   "scale": want.abs().max().item(), "placements": repr(sharded.placements),
+                   "collectives": sorted(str(k) for k in comm.get_comm_counts())})
+if dist.get_rank() == 0:
+    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps(report))
+dist.destroy_process_group()
