@@ -64,20 +64,15 @@ if [[ "$MODE" == dry-run ]]; then
 fi
 # Which host this is and what its runtime needs; bad input stops here with one line, exit 2.
 EXPORTS="$("$PY" -m torchtitan_xla.launch --exports "${ARGS[@]}")" || exit 2
-unset TTX_RUNTIME  # set by the exports for the native runtime only
+unset TTX_RUNTIME TTX_RDZV  # set by the exports for the native runtime only
 eval "$EXPORTS"
 if [[ "$MODE" == check-hosts ]]; then
   exec "$PY" -m torchtitan_xla.launch --check-hosts "${ARGS[@]}"
 fi
 if [[ "${TTX_RUNTIME:-xla}" == native ]]; then
   # The native runtime: one process per device, started by torchrun (its variables tell each one
-  # its rank); on one host a private rendezvous on a free port.
-  if [[ "${NNODES:-1}" -gt 1 ]]; then
-    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR"
-          --master-port "${MASTER_PORT:-29500}")
-  else
-    RDZV=(--standalone)
-  fi
+  # its rank), with the hosts' rendezvous or, on one host, a private one (TTX_RDZV).
+  read -r -a RDZV <<< "$TTX_RDZV"
   exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC_PER_NODE" \
     "$REPO/train.py" "${ARGS[@]}"
 fi

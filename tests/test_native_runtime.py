@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -192,6 +193,60 @@ def test_the_loss_is_vocab_parallel_on_sharded_logits(tmp_path):
         assert case["placements"] == "(Shard(dim=0), Shard(dim=2))"
         assert case["value"] <= 1e-14 * case["scale"] and case["grad"] <= 1e-14, case
         assert case["collectives"] == ["c10d_functional.all_reduce"], case
+
+
+def planned_hosts(flags: list[str], env: dict[str, str]) -> list[tuple[dict[str, str], list[str]]]:
+    """`run_train.sh --dry-run`'s plan: each host's variables and command (for every host)."""
+    p = subprocess.run([str(REPO / "run_train.sh"), "--dry-run", *flags], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    hosts = []
+    for block in re.split(r"^# host \d+.*$", p.stdout, flags=re.M)[1:]:
+        lines = block.strip().splitlines()
+        variables = dict(shlex.split(line)[0].split("=", 1) for line in lines[:-1])
+        hosts.append((variables, shlex.split(lines[-1])))
+    return hosts
+
+
+def test_two_hosts_on_loopback_train_as_one_host_each_on_its_own_data(tmp_path):
+    """NNODES=2 on 127.0.0.1, as run_train.sh plans it (its dry run: torchrun's rendezvous, two
+    processes per host for fsdp=4), against one host with four processes: the same losses, and each
+    data-parallel rank reads the same batches of the embedded text corpus (a stream split per rank)
+    in both, the two hosts' batches disjoint and together the one host's."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    flags = tiny_args(tmp_path / "x", "--runtime.backend", "native", *EAGER, "--training.steps", "4",
+                      "--training.global_batch_size", "8", "--training.local_batch_size", "2",
+                      "--parallelism.data_parallel_shard_degree", "4")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "NNODES", "NODE_RANK"))}
+    runs = {}
+    for name, env in {"one host": base,
+                      "two hosts": dict(base, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))}.items():
+        plan = planned_hosts(flags, env)
+        folder = tmp_path / name.replace(" ", "_")
+        out = folder / "result.json"
+        procs = []
+        for variables, command in plan:
+            assert command[1:3] == ["-m", "torch.distributed.run"] and variables["TTX_RUNTIME"] == "native"
+            command = [str(REPO / "tests" / "native_driver.py") if c.endswith("train.py") else c for c in command]
+            command[command.index("--job.dump_folder") + 1] = str(folder)
+            procs.append(subprocess.Popen(command, env=dict(env, **variables, NATIVE_OUT=str(out)),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+        runs[name] = {"losses": json.loads(out.read_text())["losses"], "plan": plan,
+                      "batches": [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(4)]}
+    one, two = runs["one host"], runs["two hosts"]
+    assert [v["NPROC_PER_NODE"] for v, _ in one["plan"]] == ["4"]
+    assert [v["NPROC_PER_NODE"] for v, _ in two["plan"]] == ["2", "2"]
+    assert two["plan"][1][0]["TTX_RDZV"] == f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {port}"
+    close(two["losses"], one["losses"], rtol=1e-6)
+    assert two["batches"] == one["batches"] and all(len(b) == 4 for b in one["batches"])
+    host0, host1 = (set(two["batches"][0] + two["batches"][1]), set(two["batches"][2] + two["batches"][3]))
+    assert not host0 & host1 and len(host0) == len(host1) == 8
 
 
 BAD = [

@@ -38,7 +38,20 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
             out["HOSTNAMES"] = ",".join(hosts.hostnames)
     if out.get("PJRT_DEVICE") == "TPU":
         out |= tpu_env(hosts, rank, job_config.parallelism.num_slices, env, metadata=metadata)
+    if out.get("TTX_RUNTIME") == "native":  # torchrun's rendezvous: the hosts', or a private one
+        out["TTX_RDZV"] = shlex.join(
+            ["--nnodes", str(hosts.count), "--node-rank", str(rank), "--master-addr", out["MASTER_ADDR"],
+             "--master-port", out["MASTER_PORT"]] if hosts.count > 1 else ["--standalone"])
     return out
+
+
+def launch_command(command: list[str], variables: Mapping[str, str]) -> list[str]:
+    """`command` ([python, train.py, args...]) as run_train.sh runs it with these variables: under
+    torchrun for the native runtime (NPROC_PER_NODE processes, TTX_RDZV's rendezvous)."""
+    if variables.get("TTX_RUNTIME") != "native":
+        return command
+    return [command[0], "-m", "torch.distributed.run", *shlex.split(variables["TTX_RDZV"]),
+            "--nproc-per-node", variables["NPROC_PER_NODE"], *command[1:]]
 
 
 def plan(job_config: JobConfig, env: Mapping[str, str] = os.environ, *,
@@ -51,7 +64,7 @@ def plan(job_config: JobConfig, env: Mapping[str, str] = os.environ, *,
 
 # Variables a dry run shows even when they come unchanged from the environment.
 _SHOWN = ("TPU_", "MEGASCALE_", "PJRT_", "XLA_", "LIBTPU_", "CPU_NUM_DEVICES", "MASTER_", "NNODES",
-          "NODE_RANK", "HOSTNAMES", "NPROC_PER_NODE", "TTX_RUNTIME")
+          "NODE_RANK", "HOSTNAMES", "NPROC_PER_NODE", "TTX_RUNTIME", "TTX_RDZV")
 
 
 def dry_run_text(job_config: JobConfig, command: list[str], env: Mapping[str, str] = os.environ, *,
@@ -70,5 +83,5 @@ def dry_run_text(job_config: JobConfig, command: list[str], env: Mapping[str, st
         variables |= host_env(hosts, rank, job_config, env, metadata=metadata)
         for k, v in sorted(variables.items()):
             lines.append(f"{k}={shlex.quote(v)}")
-        lines.append(shlex.join(command))
+        lines.append(shlex.join(launch_command(command, variables)))
     return "\n".join(lines)
