@@ -11,6 +11,7 @@ native PyTorch distributed (one process per device, DTensors, torch.compile).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -75,6 +76,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # Devices: one mesh over every device of every host (XLA: SPMD from its first call on; native:
     # the process group of one process per device).
     device = runtime.init_devices(job_config.runtime.device)
+    if runtime.PROCESS_PER_DEVICE and runtime.process_index() > 0:
+        init_logger(logging.WARNING)  # one process per device: the others say only what goes wrong
     device_type = runtime.device_type()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     # Which host this is: the runtime's answer, or the launcher's where the runtime cannot know

@@ -383,3 +383,26 @@ def test_a_gpu_machines_python_is_kept_and_the_xla_runtime_refused_there(tmp_pat
     with pytest.raises(ConfigError, match=r'backend = "xla": this Python \(.*\) has no torch_xla; with '
                                           r'torch-tpu or on a GPU use backend = "native"'):
         process.launch_env(1, "auto", {})
+
+
+def test_tpu_launch_takes_torch_tpus_variables(tmp_path):
+    """On a TPU host the native launch adds what torch.tpu.distributed.set_tpu_launch_env sets
+    (here a stand-in with its 0.2.0 signature: the real one needs chips); its failure is one line."""
+    from torchtitan_xla.runtime.native.process import tpu_launch_env
+
+    tpu = tmp_path / "torch" / "tpu"
+    tpu.mkdir(parents=True)
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (tpu / "__init__.py").write_text("")
+    (tpu / "distributed.py").write_text(
+        "import os\n"
+        "def set_tpu_launch_env(*, nnodes=None, nproc_per_node=None):\n"
+        "    if os.environ.get('FAIL'):\n"
+        "        raise ValueError('set_tpu_launch_env(): expected TPU devices, got none')\n"
+        "    os.environ.setdefault('TORCH_TPU_TOPOLOGY', f'{nnodes},{nproc_per_node},1')\n"
+        "    os.environ.setdefault('MASTER_PORT', '29500')\n")
+    env = {"PYTHONPATH": str(tmp_path), "PATH": os.environ["PATH"], "MASTER_PORT": "1234"}
+    assert tpu_launch_env(2, 4, env) == {"TORCH_TPU_TOPOLOGY": "2,4,1"}  # what is set stays
+    with pytest.raises(ConfigError, match=r'^\[runtime\] device = "tpu": torch-tpu\'s launch setup failed: '
+                                          r'ValueError: set_tpu_launch_env\(\): expected TPU devices, got none$'):
+        tpu_launch_env(1, 4, dict(env, FAIL="1"))

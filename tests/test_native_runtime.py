@@ -161,13 +161,19 @@ def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up
     assert compiles[1] > 0 and len(set(c for s, c in compiles.items() if s >= 2)) == 1, compiles
 
 
-def test_both_runtimes_give_the_same_losses_from_one_seed_checkpoint(tmp_path):
-    """XLA and native, one process and fsdp=4 x tp=2, 20 steps from the same initial weights."""
-    seed = tmp_path / "seed"
-    p = run_train(tiny_args(seed, "--checkpoint.create_seed_checkpoint"))
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """A seed checkpoint (the initial weights alone) written by the XLA runtime."""
+    folder = tmp_path_factory.mktemp("seed")
+    p = run_train(tiny_args(folder, "--checkpoint.create_seed_checkpoint"))
     assert p.returncode == 0, p.stderr[-3000:]
-    start = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
-             "--training.steps", "20", "--training.local_batch_size", "8"]
+    return folder / "checkpoint" / "step-0"
+
+
+def test_both_runtimes_give_the_same_losses_from_one_seed_checkpoint(seed, tmp_path):
+    """XLA and native, one process and fsdp=4 x tp=2, 20 steps from the same initial weights."""
+    start = ["--checkpoint.initial_load_path", str(seed), "--training.steps", "20",
+             "--training.local_batch_size", "8"]
     xla, _ = train_run(tiny_args(tmp_path / "xla", "--training.dataset", "synthetic",
                                  "--training.global_batch_size", "8", *start))
     one = native(tmp_path / "native1", 1, *EAGER, *start)
@@ -318,6 +324,25 @@ def test_sigterm_to_one_process_of_one_host_stops_both_hosts_at_one_step_and_res
         resumed[hosts] = finish_hosts(start_hosts(tiny_args(again, *HOSTS_JOB), hosts, again)[1], again)
         assert f"step-{stopped}" in resumed[hosts]["logs"][0]
         assert resumed[hosts]["losses"] == after, hosts
+
+
+OPTIMIZER_MESHES = {"Lion": ["--parallelism.tensor_parallel_degree", "2"],
+                    "Adafactor": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
+                    "Muon": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZER_MESHES)
+def test_every_optimizer_gives_the_xla_runtimes_losses(optimizer, seed, tmp_path):
+    """Beyond AdamW: each optimizer, 6 steps from one seed checkpoint, on two native processes
+    (sharded moments, factored statistics over split dimensions, Newton-Schulz products of
+    FSDP-sharded matrices) against the XLA runtime on one device. Measured: 3.5e-7 (all three also
+    on fsdp=2 x tp=2, by hand)."""
+    start = ["--checkpoint.initial_load_path", str(seed), "--training.steps", "6", "--optimizer.name", optimizer,
+             "--training.local_batch_size", "8"]
+    xla, _ = train_run(tiny_args(tmp_path / "xla", "--training.dataset", "synthetic", "--training.global_batch_size",
+                                 "8", *start))
+    mesh = native(tmp_path / "native", 2, *EAGER, *start, *OPTIMIZER_MESHES[optimizer])
+    close(mesh["losses"], {str(k): v for k, v in xla.items()}, rtol=1e-5)
 
 
 BAD = [

@@ -88,7 +88,6 @@ _NOT_ON_NATIVE = (
     ("model", "name", lambda v: v == "mixtral", "mixture-of-experts blocks are not ported yet"),
     ("moe", "num_experts", lambda v: v, "mixture-of-experts blocks are not ported yet"),
     ("parallelism", "num_slices", lambda v: v > 1, "multi-slice meshes are torch_xla's HybridMesh"),
-    ("optimizer", "name", lambda v: v not in ("AdamW", "Adam"), "only AdamW and Adam are ported yet"),
     ("loss", "chunk_size", lambda v: v, "its custom backward is not written for DTensors yet"),
     ("eval", "at_end", lambda v: v, "evaluate the saved checkpoint with python -m torchtitan_xla.eval"),
 )

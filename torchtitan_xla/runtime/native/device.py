@@ -53,9 +53,11 @@ def init_devices(device: str = "auto") -> torch.device:
     global _kind
     _kind = resolve_device(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if _kind != "cpu":
+    if _kind == "cuda":  # (TorchTPU gives each process its one chip, as index 0)
         torch.accelerator.set_device_index(local_rank)
-    dev = torch.device(_kind, local_rank) if _kind != "cpu" else torch.device("cpu")
+    dev = torch.device("cpu")
+    if _kind != "cpu":
+        dev = torch.device(_kind, torch.accelerator.current_device_index())
     if not dist.is_initialized():
         backend = "gloo" if _kind == "cpu" else \
             f"cpu:gloo,{_kind}:{dist.Backend.default_device_backend_map.get(_kind, _kind)}"
@@ -176,10 +178,12 @@ def memory_info(dev: torch.device) -> dict[str, int]:
 
 def accelerator_type() -> str | None:
     """The accelerator's model, for the MFU peak: a GPU's name ("NVIDIA H200"); a TPU slice's type
-    from GKE's variable (not verified on TPU); None on the CPU."""
+    from GKE's variable, else torch-tpu's chip name (not verified on TPU); None on the CPU."""
     if _kind == "cuda":
         return torch.cuda.get_device_name(torch.cuda.current_device())
-    return os.environ.get("TPU_ACCELERATOR_TYPE") or None if _kind == "tpu" else None
+    if _kind == "tpu":
+        return os.environ.get("TPU_ACCELERATOR_TYPE") or torch.tpu.get_device_name()  # "TPU v6e"
+    return None
 
 
 def slice_count() -> int:

@@ -6,8 +6,11 @@ maps the XLA default, `replay`, to `compile` (config/checks.py)."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping, MutableMapping
 
 from torchtitan_xla.errors import ConfigError
@@ -32,11 +35,35 @@ def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int
                           "set NPROC_PER_NODE if it has one")
     count = {"cuda": "gpu", "tpu": str(chips)}.get(device, str(max(1, cpu_devices // max(1, hosts))))
     out = {"TTX_RUNTIME": "native", "NPROC_PER_NODE": env.get("NPROC_PER_NODE") or count}
+    if device == "tpu" and chips:
+        out |= tpu_launch_env(hosts, int(out["NPROC_PER_NODE"]), env)
     if out["NPROC_PER_NODE"].isdigit():
         cores = os.cpu_count() or 1
         share = max(1, cores // max(1, int(out["NPROC_PER_NODE"])))
         out["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(share)
     return out
+
+
+# torch-tpu's own launch setup, run in a child (it needs torch): the variables it sets, printed.
+_TPU_LAUNCH = """
+import json, os, sys
+import torch.tpu.distributed as tpu_distributed
+before = dict(os.environ)
+tpu_distributed.set_tpu_launch_env(nnodes=int(sys.argv[1]), nproc_per_node=int(sys.argv[2]))
+print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))
+"""
+
+
+def tpu_launch_env(hosts: int, chips: int, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables TorchTPU's processes need before torchrun starts them (slice builder addresses,
+    topology, the hosts' rendezvous): torch.tpu.distributed.set_tpu_launch_env's, which keeps what
+    is already set. Not verified on a TPU (written against torch-tpu 0.2.0)."""
+    p = subprocess.run([sys.executable, "-c", _TPU_LAUNCH, str(hosts), str(chips)], capture_output=True,
+                       text=True, env=dict(env))
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"[runtime] device = \"tpu\": torch-tpu's launch setup failed: {last}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def configure(step_compiler: str, env: MutableMapping[str, str] = os.environ) -> None:

@@ -38,8 +38,14 @@ def placements(mesh, spec: Sequence) -> list:
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: str,
                num_slices: int = 1):
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if device_type.lower() == "tpu":
+        # TorchTPU's rank layout for the slice's topology (axes ordered by growing traffic, as
+        # MESH_AXES are). Not verified on a TPU.
+        from torch.tpu.distributed import topology_aware_mesh
+
+        return DeviceMesh("tpu", topology_aware_mesh(tuple(shape)), mesh_dim_names=tuple(axis_names))
     return init_device_mesh(device_type.lower(), tuple(shape), mesh_dim_names=tuple(axis_names))
 
 
