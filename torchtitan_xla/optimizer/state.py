@@ -19,9 +19,12 @@ def new_states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, torch.T
 
 
 def zeros_like_param(p: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
-    """A zero state tensor for `p`: its shape (or `shape`), with p's sharding when the shapes match."""
+    """A zero state tensor for `p`: its shape (or `shape`), with p's sharding when the shapes match,
+    replicated otherwise."""
     if shape is None or tuple(shape) == tuple(p.shape):
         t = torch.zeros_like(p)  # a DTensor's layout comes with it; XLA's is copied
         runtime.copy_sharding(p, t)
         return t
-    return torch.zeros(shape, dtype=p.dtype, device=p.device)
+    # Replicated: new_zeros of a DTensor is a DTensor on its mesh (a plain tensor here would make
+    # the in-place updates mix the two, which torch 2.11's DTensor refuses).
+    return p.new_zeros(shape)
