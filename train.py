@@ -185,9 +185,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     # Evaluation after the last step: its task files are read and checked now.
     eval_tasks = [parse_task(spec) for spec in job_config.eval.tasks] if job_config.eval.at_end else []
-    if eval_tasks and host_count > 1:
-        raise ConfigError("[eval] at_end = true runs on one host only; evaluate the saved checkpoint "
-                          "with python -m torchtitan_xla.eval")
+    if eval_tasks and host_count > 1 and not runtime.PROCESS_PER_DEVICE:
+        raise ConfigError("[eval] at_end = true runs on one host only on the XLA runtime; evaluate "
+                          "the saved checkpoint with python -m torchtitan_xla.eval")
 
     # Inputs are all checked by now: the config is shown once it is known to start, and only from
     # here on does the run write anything.
@@ -309,8 +309,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     checkpoint.close()
     if eval_tasks and train_state.step == training.steps:
+        # Every process builds the same batches of requests, each device scores its block.
         results = evaluate(model, tokenizer, job_config, eval_tasks, dp_degree=parallel_dims.dp_degree,
-                           device=device, sharding=input_sharding,
+                           device=device, sharding=runtime.input_sharding(mesh, (BATCH_AXES, None)),
                            progress=host_rank == 0 and sys.stderr.isatty())
         if host_rank == 0:
             write_results(results, join(dump_folder, job_config.eval.output_file))

@@ -2,65 +2,130 @@
 device of one DeviceMesh, against one process and against the XLA runtime.
 
 Every run trains the debug model at the test size on synthetic data, whose global batch is the same
-whatever the number of processes (datasets/packing.py), so losses can be compared step by step."""
+whatever the number of processes (datasets/packing.py), so losses can be compared step by step.
+Starting torch on several processes costs more than a small job's training: the jobs that need the
+same number of processes run in one set of them (module fixtures), and the tests read their
+results. Across hosts: test_native_hosts.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, run_train, tiny_args, train_run
+from helpers import REPO, run_train, tiny_args, train_many, train_run
+from native_helpers import EAGER, close, native_jobs
 
-NATIVE = ["--runtime.backend", "native", "--training.dataset", "synthetic", "--training.steps", "10",
-          "--training.global_batch_size", "8"]
-EAGER = ["--compile.step", "eager"]
-EXPORT = ["--checkpoint.last_save_in_hf", "true"]  # after the last step, into checkpoint/step-10-hf
-
-
-def native(folder: Path, processes: int, *extra: str, overrides: dict | None = None,
-           timeout: int = 900) -> dict:
-    """train.py's main on `processes` torchrun processes (tests/native_driver.py): rank 0's
-    losses, grad norms and parameter layouts. `overrides`: ModelArgs fields."""
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(processes), str(REPO / "tests" / "native_driver.py"), *tiny_args(folder, *NATIVE, *extra)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_"))}
-    env["NATIVE_OUT"], env["NATIVE_OVERRIDES"] = str(out), json.dumps(overrides or {})
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert p.returncode == 0, p.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["log"], result["folder"] = p.stderr, folder
-    return result
-
-
-def close(got: dict, expected: dict, rtol: float) -> None:
-    assert got.keys() == expected.keys()
-    for step, value in expected.items():
-        assert abs(got[step] - value) <= rtol * abs(value), (step, got[step], value)
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict:
-    """The reference: the same global batch on one process (every mesh axis of size 1)."""
-    return native(tmp_path_factory.mktemp("one"), 1, *EAGER, "--training.local_batch_size", "8",
-                  *EXPORT)
-
-
+EXPORT = ["--checkpoint.last_save_in_hf", "true"]  # after the last step, into checkpoint/step-20-hf
+SYNTHETIC = ["--training.dataset", "synthetic", "--training.global_batch_size", "8"]
+SAVE_AT_10 = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+XLA_MESH = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
+            "--training.local_batch_size", "2"]
+NATIVE_MESH = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+               "--training.local_batch_size", "4"]
 MESHES = {
     "fsdp=8": ["--training.local_batch_size", "1"],
-    "fsdp=4 x tp=2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "4",
-                      "--parallelism.tensor_parallel_degree", "2", *EXPORT],
+    "fsdp=4 x tp=2": [*XLA_MESH, *EXPORT],
     "dp_replicate=2 x fsdp=4": ["--training.local_batch_size", "1",
                                 "--parallelism.data_parallel_replicate_degree", "2",
                                 "--parallelism.data_parallel_shard_degree", "4"],
 }
+OPTIMIZER_MESHES = {"Lion": ["--parallelism.tensor_parallel_degree", "2"],
+                    "Adafactor": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
+                    "Muon": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
+CHAT = ["--training.dataset", "python_docs_chat", "--training.packing", "true"]  # document masks
+CHUNKED = ["--loss.chunk_size", "32", "--loss.label_smoothing", "0.1", "--loss.z_loss_weight", "1e-4"]
+LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "3e-3"]
+CHUNKED_MESHES = {"tp=2": ["--parallelism.tensor_parallel_degree", "2"],
+                  "fsdp=2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
+TEN_BLOCKS = {"n_layers": 10}  # more than dynamo's recompile limit (8): the blocks must share graphs
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """A seed checkpoint (the initial weights alone) written by the XLA runtime."""
+    folder = tmp_path_factory.mktemp("seed")
+    p = run_train(tiny_args(folder, "--checkpoint.create_seed_checkpoint"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return folder / "checkpoint" / "step-0"
+
+
+def from_seed(seed: Path, steps: int = 20) -> list[str]:
+    return ["--checkpoint.initial_load_path", str(seed), "--training.steps", str(steps)]
+
+
+def optimizer_job(seed: Path, optimizer: str) -> list[str]:
+    return [*from_seed(seed, steps=6), "--optimizer.name", optimizer, "--training.local_batch_size", "8"]
+
+
+def chunked_job(seed: Path) -> list[str]:
+    return [*from_seed(seed, steps=6), *CHUNKED, "--training.local_batch_size", "8"]
+
+
+def chat_job(seed: Path) -> list[str]:
+    return [*from_seed(seed, steps=6), *CHAT, "--training.global_batch_size", "8", "--training.local_batch_size", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_process(seed, tmp_path_factory) -> dict:
+    """The references on one process: the global batch at once from the seed checkpoint (exported
+    to HF after the last step), and the eager ten-block model for the compiled step."""
+    return native_jobs(tmp_path_factory.mktemp("one"), 1, {
+        "mesh": [*EAGER, *from_seed(seed), "--training.local_batch_size", "8", *EXPORT],
+        "ten blocks": [*EAGER, "--training.local_batch_size", "8"]}, overrides={"ten blocks": TEN_BLOCKS})
+
+
+@pytest.fixture(scope="module")
+def eight_processes(seed, xla_eight, tmp_path_factory) -> dict:
+    """On eight processes, eager: each of MESHES from the seed checkpoint; and "lora", resuming the
+    XLA runtime's LoRA run (fsdp=4 x tp=2) at step 5 (adapters start random: each runtime draws
+    its own)."""
+    folder = tmp_path_factory.mktemp("eight")
+    copy_step(xla_eight["lora"]["folder"], folder / "lora", 5)
+    jobs = {mesh: [*EAGER, *from_seed(seed), *flags] for mesh, flags in MESHES.items()}
+    return native_jobs(folder, 8, jobs | {"lora": [*EAGER, *lora_job(seed)]})
+
+
+@pytest.fixture(scope="module")
+def two_processes(seed, tmp_path_factory) -> dict:
+    """On two processes: the default (compiled) step of the ten-block model on tp=2, first (its
+    compile counts are this process's first); accumulation with activation checkpointing; every
+    optimizer beyond AdamW; packed chat data on tp=2; the chunked loss on each of CHUNKED_MESHES."""
+    jobs = {"compiled": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                         "--debug.on_recompile", "error"],
+            "accumulation": [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
+                             "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
+    jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
+    jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
+    jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
+    return native_jobs(tmp_path_factory.mktemp("two"), 2, jobs, overrides={"compiled": TEN_BLOCKS})
+
+
+@pytest.fixture(scope="module")
+def xla_eight(seed, tmp_path_factory) -> dict:
+    """The XLA runtime on fsdp=4 x tp=2 (eight devices, one process), from the seed checkpoint:
+    "mesh", 20 steps saving step 10; "lora", adapters trained 10 steps saving step 5. Each run's
+    losses, and its folder."""
+    folder = tmp_path_factory.mktemp("xla")
+    runs = {"mesh": [*SYNTHETIC, *from_seed(seed), *SAVE_AT_10, *XLA_MESH], "lora": lora_job(seed)}
+    results = train_many({name: tiny_args(folder / name, *flags) for name, flags in runs.items()}, devices=8)
+    return {name: result | {"folder": folder / name} for name, result in results.items()}
+
+
+def lora_job(seed: Path) -> list[str]:
+    return [*SYNTHETIC, *from_seed(seed, steps=10), *LORA, *XLA_MESH, "--checkpoint.enable",
+            "--checkpoint.interval", "5"]
+
+
+def copy_step(src: Path, folder: Path, step: int) -> Path:
+    """`folder` with checkpoint step `step` of the run in `src` (which then resumes from it)."""
+    shutil.copytree(src / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    return folder
 
 
 def expected_placements(spec: list, sizes: dict[str, int]) -> list[str]:
@@ -77,17 +142,17 @@ def expected_placements(spec: list, sizes: dict[str, int]) -> list[str]:
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded_by_its_spec(
-        mesh, one_process, tmp_path):
+        mesh, one_process, eight_processes):
     import torch
 
     from torchtitan_xla.models import get_model_args, get_model_class
     from torchtitan_xla.parallelisms import ParallelDims
     from torchtitan_xla.parallelisms.parallelize_llama import param_specs
 
-    run = native(tmp_path, 8, *EAGER, *MESHES[mesh])
+    run, one = eight_processes[mesh], one_process["mesh"]
     # float32, the same sums in another order (reductions across processes): 2.4e-7 measured.
-    close(run["losses"], one_process["losses"], rtol=1e-6)
-    close(run["grad_norms"], one_process["grad_norms"], rtol=1e-6)
+    close(run["losses"], one["losses"], rtol=1e-6)
+    close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
 
     flags = dict(zip(MESHES[mesh][::2], MESHES[mesh][1::2]))
     rep = int(flags.get("--parallelism.data_parallel_replicate_degree", 1))
@@ -118,71 +183,61 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
         from safetensors.torch import load_file
 
         def weights(folder: Path) -> dict:
-            return {k: v for f in sorted((folder / "checkpoint" / "step-10-hf").glob("*.safetensors"))
+            return {k: v for f in sorted((folder / "checkpoint" / "step-20-hf").glob("*.safetensors"))
                     for k, v in load_file(f).items()}
 
-        got, want = weights(tmp_path), weights(one_process["folder"])
+        got, want = weights(run["folder"]), weights(one["folder"])
         assert got.keys() == want.keys() and len(got) == len(layout)
-        # After 10 AdamW steps: the 8 processes' sums round otherwise, and Adam's normalised update
-        # turns that into up to 4.3e-6 on a few elements (measured); a block gathered to the wrong
-        # place would be off by the weights' own size (0.02-5).
+        # After 20 AdamW steps: the 8 processes' sums round otherwise, and Adam's normalised update
+        # turns that into a few millionths on a few elements; a block gathered to the wrong place
+        # would be off by the weights' own size (0.02-5).
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
 
 
-def test_gradient_accumulation_and_activation_checkpointing_keep_the_one_process_losses(one_process, tmp_path):
+def test_gradient_accumulation_and_activation_checkpointing_keep_the_one_process_losses(
+        one_process, two_processes):
     """tp=2 on two processes, the global batch of 8 as two microbatches of 4, every block
     recomputed in the backward (full activation checkpointing): the one-process losses and
     gradient norms (batch 8 at once, nothing recomputed) within float32 reordering."""
-    run = native(tmp_path, 2, *EAGER, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-                 "--activation_checkpoint.mode", "full")
+    run, one = two_processes["accumulation"], one_process["mesh"]
     assert "2 accumulation step(s)" in run["log"] and "Activation checkpointing: full" in run["log"]
-    close(run["losses"], one_process["losses"], rtol=1e-6)
-    close(run["grad_norms"], one_process["grad_norms"], rtol=1e-6)
+    close(run["losses"], one["losses"], rtol=1e-6)
+    close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
 
 
 COMPILES = re.compile(r"step:\s+(\d+) .* compiles: (\d+)")
 
 
-def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up(tmp_path):
+def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up(one_process, two_processes):
     """The default step on the native runtime (`[compile] step` left at its default) is
     torch.compile per block, here on two processes (tp=2) against one eager process. Ten blocks,
     more than dynamo's recompile limit (8): the blocks must share their graphs. A compile after
     step 2 would stop the run (on_recompile = "error")."""
-    deep = {"n_layers": 10}
-    eager = native(tmp_path / "eager", 1, *EAGER, "--training.local_batch_size", "8", overrides=deep)
-    run = native(tmp_path / "compiled", 2, "--training.local_batch_size", "8",
-                 "--parallelism.tensor_parallel_degree", "2", "--debug.on_recompile", "error",
-                 overrides=deep)
+    run = two_processes["compiled"]
     assert "Compiling 10 blocks (torch.compile)" in run["log"]
     # Inductor fuses the blocks' element-wise ops (other roundings).
-    close(run["losses"], eager["losses"], rtol=2e-5)
+    close(run["losses"], one_process["ten blocks"]["losses"], rtol=2e-5)
     compiles = {int(s): int(n) for s, n in COMPILES.findall(run["log"])}
     assert compiles[1] > 0 and len(set(c for s, c in compiles.items() if s >= 2)) == 1, compiles
 
 
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> Path:
-    """A seed checkpoint (the initial weights alone) written by the XLA runtime."""
-    folder = tmp_path_factory.mktemp("seed")
-    p = run_train(tiny_args(folder, "--checkpoint.create_seed_checkpoint"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    return folder / "checkpoint" / "step-0"
-
-
-def test_both_runtimes_give_the_same_losses_from_one_seed_checkpoint(seed, tmp_path):
-    """XLA and native, one process and fsdp=4 x tp=2, 20 steps from the same initial weights."""
-    start = ["--checkpoint.initial_load_path", str(seed), "--training.steps", "20",
-             "--training.local_batch_size", "8"]
-    xla, _ = train_run(tiny_args(tmp_path / "xla", "--training.dataset", "synthetic",
-                                 "--training.global_batch_size", "8", *start))
-    one = native(tmp_path / "native1", 1, *EAGER, *start)
-    mesh = native(tmp_path / "native8", 8, *EAGER, *start, "--training.local_batch_size", "2",
-                  "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2")
-    expected = {str(k): v for k, v in xla.items()}
+def test_both_runtimes_give_the_same_losses_from_one_seed_checkpoint(one_process, eight_processes, xla_eight):
+    """XLA on fsdp=4 x tp=2 against native on one process and on fsdp=4 x tp=2, 20 steps from the
+    same initial weights."""
+    xla = xla_eight["mesh"]["losses"]
+    assert len(xla) == 20
     # XLA CPU and eager PyTorch round float32 differently (fusions, dot kernels).
-    close(one["losses"], expected, rtol=1e-5)
-    close(mesh["losses"], expected, rtol=1e-5)
+    close(one_process["mesh"]["losses"], xla, rtol=1e-5)
+    close(eight_processes["fsdp=4 x tp=2"]["losses"], xla, rtol=1e-5)
+
+
+def test_lora_on_fsdp4_tp2_gives_the_xla_runtimes_losses(eight_processes, xla_eight):
+    """LoRA adapters (rank 4) on fsdp=4 x tp=2: the native runtime, resuming the XLA runtime's
+    step 5 (frozen base, adapters and their optimizer state), gives its steps 6-10."""
+    run = eight_processes["lora"]
+    assert "Resumed from" in run["log"] and "(step 5)" in run["log"]
+    close(run["losses"], {s: v for s, v in xla_eight["lora"]["losses"].items() if s > 5}, rtol=1e-5)
 
 
 def test_the_loss_is_vocab_parallel_on_sharded_logits(tmp_path):
@@ -201,148 +256,44 @@ def test_the_loss_is_vocab_parallel_on_sharded_logits(tmp_path):
         assert case["collectives"] == ["c10d_functional.all_reduce"], case
 
 
-def planned_hosts(flags: list[str], env: dict[str, str]) -> list[tuple[dict[str, str], list[str]]]:
-    """`run_train.sh --dry-run`'s plan: each host's variables and command (for every host)."""
-    p = subprocess.run([str(REPO / "run_train.sh"), "--dry-run", *flags], capture_output=True, text=True,
-                       env=env, timeout=120)
-    assert p.returncode == 0, p.stderr
-    hosts = []
-    for block in re.split(r"^# host \d+.*$", p.stdout, flags=re.M)[1:]:
-        lines = block.strip().splitlines()
-        variables = dict(shlex.split(line)[0].split("=", 1) for line in lines[:-1])
-        hosts.append((variables, shlex.split(lines[-1])))
-    return hosts
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        return free.getsockname()[1]
-
-
-def host_env(hosts: int) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "NNODES", "NODE_RANK"))}
-    return dict(base, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())) if hosts > 1 else base
-
-
-def start_hosts(flags: list[str], hosts: int, folder: Path) -> tuple[list, list[subprocess.Popen]]:
-    """Every host's torchrun as `run_train.sh --dry-run` plans it (the test worker in train.py's
-    place, writing into `folder`), started at once: (the plan, one torchrun process per host)."""
-    env = host_env(hosts)
-    plan = planned_hosts(flags, env)
-    procs = []
-    for variables, command in plan:
-        assert command[1:3] == ["-m", "torch.distributed.run"] and variables["TTX_RUNTIME"] == "native"
-        command = [str(REPO / "tests" / "native_driver.py") if c.endswith("train.py") else c for c in command]
-        command[command.index("--job.dump_folder") + 1] = str(folder)
-        procs.append(subprocess.Popen(command, env=dict(env, **variables, NATIVE_OUT=str(folder / "result.json")),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    return plan, procs
-
-
-def finish_hosts(procs: list[subprocess.Popen], folder: Path, processes: int = 4) -> dict:
-    """Wait for every host: rank 0's losses, each rank's batch fingerprints, each host's log."""
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=600)[1])
-        except subprocess.TimeoutExpired:  # a collective only some processes entered
-            for p in procs:
-                p.kill()
-            raise AssertionError("the hosts did not finish within 600 s") from None
-        assert proc.returncode == 0, logs[-1][-3000:]
-    out = folder / "result.json"
-    return {"losses": json.loads(out.read_text())["losses"], "logs": logs,
-            "batches": [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(processes)]}
-
-
-HOSTS_STEPS = 12
-HOSTS_JOB = [*EAGER, "--runtime.backend", "native", "--training.global_batch_size", "8",
-             "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "4",
-             "--training.steps", str(HOSTS_STEPS), "--checkpoint.enable", "--checkpoint.interval", "1000"]
-
-
 @pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory) -> dict:
-    """The debug model on two hosts x two processes (fsdp=4), uninterrupted."""
-    folder = tmp_path_factory.mktemp("two_hosts")
-    plan, procs = start_hosts(tiny_args(folder, *HOSTS_JOB), 2, folder)
-    return finish_hosts(procs, folder) | {"plan": plan}
-
-
-def test_two_hosts_on_loopback_train_as_one_host_each_on_its_own_data(two_hosts, tmp_path):
-    """NNODES=2 on 127.0.0.1, as run_train.sh plans it (its dry run: torchrun's rendezvous, two
-    processes per host for fsdp=4), against one host with four processes: the same losses, and each
-    data-parallel rank reads the same batches of the embedded text corpus (a stream split per rank)
-    in both, the two hosts' batches disjoint and together the one host's."""
-    plan, procs = start_hosts(tiny_args(tmp_path, *HOSTS_JOB), 1, tmp_path)
-    one, two = finish_hosts(procs, tmp_path) | {"plan": plan}, two_hosts
-    assert [v["NPROC_PER_NODE"] for v, _ in one["plan"]] == ["4"]
-    assert [v["NPROC_PER_NODE"] for v, _ in two["plan"]] == ["2", "2"]
-    port = two["plan"][0][0]["MASTER_PORT"]
-    assert two["plan"][1][0]["TTX_RDZV"] == f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {port}"
-    close(two["losses"], one["losses"], rtol=1e-6)
-    assert two["batches"] == one["batches"] and all(len(b) == HOSTS_STEPS for b in one["batches"])
-    host0, host1 = (set(two["batches"][0] + two["batches"][1]), set(two["batches"][2] + two["batches"][3]))
-    assert not host0 & host1 and len(host0) == len(host1) == 2 * HOSTS_STEPS
-
-
-def test_sigterm_to_one_process_of_one_host_stops_both_hosts_at_one_step_and_resumes_exactly(
-        two_hosts, tmp_path):
-    """Two hosts x two processes: SIGTERM to one process of host 1 only. Every process agrees on
-    the step to stop after, the checkpoint of that step is the only one, all exit 0; the same
-    command resumes it on two hosts, and on one host with four processes, with the uninterrupted
-    run's losses, bit for bit."""
-    import shutil
-    import signal
-
-    from torchtitan_xla.checkpoint import committed_steps
-
-    folder = tmp_path / "preempted"
-    _, (host0, host1) = start_hosts(tiny_args(folder, *HOSTS_JOB), 2, folder)
-    log0 = []
-    for line in host0.stderr:  # rank 0 logs the steps
-        log0.append(line)
-        if re.search(r"step:\s+3 ", line):
-            worker = subprocess.run(["pgrep", "-P", str(host1.pid)], capture_output=True, text=True)
-            os.kill(int(worker.stdout.split()[0]), signal.SIGTERM)
-            break
-    preempted = finish_hosts([host0, host1], folder)
-    # Each process says where it stopped: four times the same step.
-    stops = re.findall(r"Preempted: stopped after step (\d+)", "".join(log0) + "".join(preempted["logs"]))
-    assert len(stops) == 4 and len(set(stops)) == 1, preempted["logs"][0][-3000:]
-    stopped = int(stops[0])
-    assert 3 <= stopped < HOSTS_STEPS and "SIGTERM received" in preempted["logs"][1]
-    assert committed_steps(folder / "checkpoint") == [stopped]
-    after = {s: v for s, v in two_hosts["losses"].items() if int(s) > stopped}
-    resumed = {}
-    for hosts in (2, 1):
-        again = tmp_path / f"resumed_on_{hosts}"
-        shutil.copytree(folder / "checkpoint", again / "checkpoint")
-        resumed[hosts] = finish_hosts(start_hosts(tiny_args(again, *HOSTS_JOB), hosts, again)[1], again)
-        assert f"step-{stopped}" in resumed[hosts]["logs"][0]
-        assert resumed[hosts]["losses"] == after, hosts
-
-
-OPTIMIZER_MESHES = {"Lion": ["--parallelism.tensor_parallel_degree", "2"],
-                    "Adafactor": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
-                    "Muon": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
+def xla_one_device(seed, tmp_path_factory) -> dict:
+    """The XLA runtime on one device (one process): each of OPTIMIZER_MESHES' optimizers, packed
+    chat data, and the chunked loss."""
+    folder = tmp_path_factory.mktemp("xla_one")
+    runs = {name: [*SYNTHETIC, *optimizer_job(seed, name)] for name in OPTIMIZER_MESHES}
+    runs |= {"chat": chat_job(seed), "chunked": [*SYNTHETIC, *chunked_job(seed)]}
+    return train_many({name: tiny_args(folder / name, *flags) for name, flags in runs.items()}, devices=1)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZER_MESHES)
-def test_every_optimizer_gives_the_xla_runtimes_losses(optimizer, seed, tmp_path):
+def test_every_optimizer_gives_the_xla_runtimes_losses(optimizer, two_processes, xla_one_device):
     """Beyond AdamW: each optimizer, 6 steps from one seed checkpoint, on two native processes
     (sharded moments, factored statistics over split dimensions, Newton-Schulz products of
     FSDP-sharded matrices) against the XLA runtime on one device. Measured: 3.5e-7 (all three also
     on fsdp=2 x tp=2, by hand)."""
-    start = ["--checkpoint.initial_load_path", str(seed), "--training.steps", "6", "--optimizer.name", optimizer,
-             "--training.local_batch_size", "8"]
-    xla, _ = train_run(tiny_args(tmp_path / "xla", "--training.dataset", "synthetic", "--training.global_batch_size",
-                                 "8", *start))
-    mesh = native(tmp_path / "native", 2, *EAGER, *start, *OPTIMIZER_MESHES[optimizer])
-    close(mesh["losses"], {str(k): v for k, v in xla.items()}, rtol=1e-5)
+    close(two_processes[optimizer]["losses"], xla_one_device[optimizer]["losses"], rtol=1e-5)
+
+
+def test_packed_chat_data_gives_the_xla_runtimes_losses(one_process, two_processes, xla_one_device):
+    """Conversations packed into rows (each row's documents masked from one another in the
+    blockwise attention, positions restarting per document, prompts not trained on), tp=2 on two
+    processes (tensor-parallel peers load the same block: the XLA device's batches), 6 steps from
+    one seed checkpoint: the XLA runtime's losses."""
+    run, xla = two_processes["chat"], xla_one_device["chat"]["losses"]
+    close(run["losses"], xla, rtol=1e-5)
+    # The same initial weights as the synthetic runs: another first loss, other data.
+    assert abs(run["losses"]["1"] - one_process["mesh"]["losses"]["1"]) > 1e-3
+
+
+@pytest.mark.parametrize("mesh", CHUNKED_MESHES)
+def test_the_chunked_loss_gives_the_xla_runtimes_losses(mesh, two_processes, xla_one_device):
+    """The chunked loss (32 tokens at a time, label smoothing and z-loss), 6 steps from one seed
+    checkpoint on two processes, each looping over its own rows with the whole output weight: with
+    tp=2 (the vocabulary-sharded weight gathered, its gradient the same on both) and fsdp=2 (the
+    weight's gradient summed over the two halves of the batch). The XLA runtime's losses on one
+    device."""
+    close(two_processes[f"chunked {mesh}"]["losses"], xla_one_device["chunked"]["losses"], rtol=1e-5)
 
 
 BAD = [
@@ -370,38 +321,24 @@ def test_bad_native_input_is_one_line_before_any_model_is_built(flags, message, 
     assert not any("Traceback" in line or "Model llama3" in line for line in lines), p.stderr
 
 
-def test_a_checkpoint_resumes_on_the_other_runtime_as_if_never_interrupted(tmp_path):
+def test_a_checkpoint_resumes_on_the_other_runtime_as_if_never_interrupted(seed, xla_eight, tmp_path):
     """XLA (fsdp=4 x tp=2) saves step 10, the native runtime (fsdp=2 x tp=2, four processes)
     resumes it; and the reverse, native (fsdp=2 x tp=2, saving asynchronously) to XLA (fsdp=4 x
-    tp=2). Steps 11-20 equal
-    the uninterrupted run's. The data loader's state moves too, from one data-parallel rank (XLA's
-    one host loads the global batch) to two, and back: synthetic data continues at its global
-    batch on any layout (datasets/loader.py)."""
-    import shutil
-
-    steps = ["--training.steps", "20", "--training.dataset", "synthetic",
-             "--training.global_batch_size", "8", "--checkpoint.enable", "--checkpoint.interval", "10"]
-    xla_mesh = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
-                "--training.local_batch_size", "2"]
-    native_mesh = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                   "--training.local_batch_size", "4"]
-
-    def resume_folder(src: Path, name: str) -> Path:
-        folder = tmp_path / name
-        shutil.copytree(src / "checkpoint" / "step-10", folder / "checkpoint" / "step-10")
-        return folder
-
-    xla, _ = train_run(tiny_args(tmp_path / "xla", *steps, *xla_mesh), devices=8)
-    on_native = native(resume_folder(tmp_path / "xla", "on_native"), 4, *EAGER, *steps, *native_mesh)
-    assert "Resumed from" in on_native["log"] or "step-10" in on_native["log"]
-    assert sorted(map(int, on_native["losses"])) == list(range(11, 21))
-    close(on_native["losses"], {str(s): v for s, v in xla.items() if s > 10}, rtol=1e-5)
-
+    tp=2). Steps 11-20 equal the uninterrupted run's. The data loader's state moves too, from one
+    data-parallel rank (XLA's one host loads the global batch) to two, and back: synthetic data
+    continues at its global batch on any layout (datasets/loader.py)."""
+    xla = xla_eight["mesh"]
+    job = [*EAGER, *from_seed(seed), *SAVE_AT_10, *NATIVE_MESH]
+    copy_step(xla["folder"], tmp_path / "native" / "on_native", 10)
     # Asynchronous saves: a device copy of each block, written while training goes on.
-    base = native(tmp_path / "native", 4, *EAGER, *steps, *native_mesh, "--checkpoint.async_mode", "async")
+    runs = native_jobs(tmp_path / "native", 4, {"on_native": job, "async": [*job, "--checkpoint.async_mode", "async"]})
+    on_native, base = runs["on_native"], runs["async"]
+    assert "Resumed from" in on_native["log"] and "(step 10)" in on_native["log"]
+    assert sorted(map(int, on_native["losses"])) == list(range(11, 21))
+    close(on_native["losses"], {s: v for s, v in xla["losses"].items() if s > 10}, rtol=1e-5)
+
     assert "Checkpoint step-10: staged" in base["log"]
-    on_xla, _ = train_run(tiny_args(resume_folder(tmp_path / "native", "on_xla"), *steps, *xla_mesh),
-                          devices=8)
+    on_xla, _ = train_run(tiny_args(copy_step(base["folder"], tmp_path / "on_xla", 10), *SYNTHETIC, *from_seed(seed),
+                                    *SAVE_AT_10, *XLA_MESH), devices=8)
     assert sorted(on_xla) == list(range(11, 21))
-    close({str(s): v for s, v in on_xla.items()},
-          {s: v for s, v in base["losses"].items() if int(s) > 10}, rtol=1e-5)
+    close(on_xla, {s: v for s, v in base["losses"].items() if int(s) > 10}, rtol=1e-5)

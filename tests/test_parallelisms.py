@@ -311,6 +311,49 @@ def test_tpu_mesh_uses_hybrid_mesh(monkeypatch):
         _dims([], 8).build_mesh("TPU")
 
 
+def test_native_tpu_mesh_is_torch_tpus_topology_aware_layout(monkeypatch):
+    """On TorchTPU the mesh's rank layout is torch.tpu.distributed.topology_aware_mesh's (here a
+    stand-in with torch-tpu 0.2.0's signature: no TPU): several slices (libtpu's
+    MEGASCALE_NUM_SLICES) split dp_replicate over the data-centre network, as HybridMesh does on
+    XLA; a mesh the slice cannot hold is one line naming [parallelism]."""
+    import math
+    import sys
+    import types
+
+    from torchtitan_xla.runtime.native import device, sharding
+
+    calls = []
+
+    def topology_aware_mesh(mesh_shape, *, dcn_mesh_shape=None, allow_split_physical_axes=False,
+                            contiguous_submeshes=False):
+        calls.append((mesh_shape, dcn_mesh_shape))
+        if math.prod(mesh_shape) != 8:
+            raise ValueError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, the world 8\ndetails")
+        return torch.arange(8).reshape(mesh_shape)
+
+    tpu, tpu_distributed = types.ModuleType("torch.tpu"), types.ModuleType("torch.tpu.distributed")
+    tpu_distributed.topology_aware_mesh, tpu.distributed = topology_aware_mesh, tpu_distributed
+    monkeypatch.setitem(sys.modules, "torch.tpu", tpu)
+    monkeypatch.setitem(sys.modules, "torch.tpu.distributed", tpu_distributed)
+    monkeypatch.setattr("torch.distributed.device_mesh.DeviceMesh",
+                        lambda kind, ranks, mesh_dim_names: (kind, ranks.tolist(), mesh_dim_names))
+    monkeypatch.setattr(device, "_kind", "tpu")
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+    assert device.slice_count() == 2
+    axes = ("dp_replicate", "fsdp", "ep", "tp")
+    kind, ranks, names = sharding.build_mesh((2, 4, 1, 1), axes, device_type="TPU", num_slices=2)
+    assert (kind, names, calls) == ("tpu", axes, [((2, 4, 1, 1), (2, 1, 1, 1))])
+    assert ranks == torch.arange(8).reshape(2, 4, 1, 1).tolist()
+    sharding.build_mesh((1, 8, 1, 1), axes, device_type="TPU")
+    assert calls[-1] == ((1, 8, 1, 1), None)  # one slice: torch-tpu infers the layout
+    with pytest.raises(ConfigError) as e:
+        sharding.build_mesh((1, 3, 1, 2), axes, device_type="TPU")
+    assert str(e.value) == ("[parallelism] the mesh (dp_replicate 1, fsdp 3, ep 1, tp 2) does not fit this TPU "
+                            "slice (1 slice(s)): torch-tpu says: mesh_shape (1, 3, 1, 2) has 6 devices, the world 8")
+    with pytest.raises(ConfigError, match=r"num_slices = 2: several slices are TPU slices; this run's devices are CPU"):
+        sharding.build_mesh((2, 4, 1, 1), axes, device_type="CPU", num_slices=2)
+
+
 def test_pallas_attention_swaps_modules_only_on_tpu():
     from helpers import capture_logs
 

@@ -20,6 +20,8 @@ are the step's largest tensors (docs/performance.md has the compiled step's memo
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_xla import runtime
 from torchtitan_xla.config import JobConfig
+from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
 IGNORE_INDEX = -100
 
@@ -168,10 +171,22 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
     def chunked(model, inputs, labels, *packing):
         with torch.autocast(**autocast):
             h = model.hidden_states(inputs, *packing)
-        ranks = h.view(dp_degree, -1, h.shape[-1])
-        return chunked_token_losses(ranks, model.output.weight, labels.view(dp_degree, -1),
-                                    cfg.chunk_size, label_smoothing=smoothing, z_loss=z,
-                                    dtype=autocast_dtype or h.dtype)
+
+        def losses(h, weight, labels, ranks=dp_degree):
+            return chunked_token_losses(h.view(ranks, -1, h.shape[-1]), weight, labels.view(ranks, -1),
+                                        cfg.chunk_size, label_smoothing=smoothing, z_loss=z,
+                                        dtype=autocast_dtype or h.dtype)
+
+        if isinstance(h, DTensor):  # one process per device: each loops over its own rows
+            mesh, tokens = h.device_mesh, (BATCH_AXES, None)
+            local = functools.partial(losses, ranks=dp_degree // _batch_blocks(mesh))
+            return runtime.per_shard(local, mesh, [(*tokens, None), (None, None), tokens], tokens,
+                                     BATCH_AXES)(h, model.output.weight, labels)
+        return losses(h, model.output.weight, labels)
 
     return chunked if cfg.chunk_size else full
 
+
+def _batch_blocks(mesh) -> int:
+    """Blocks the mesh splits the batch into (its batch axes' sizes multiplied)."""
+    return math.prod(mesh.size(mesh.mesh_dim_names.index(axis)) for axis in BATCH_AXES)

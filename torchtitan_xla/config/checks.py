@@ -87,9 +87,6 @@ _NOT_ON_NATIVE = (
     ("model", "attention", lambda v: v in ("flash", "splash"), "the Pallas kernels are torch_xla's"),
     ("model", "name", lambda v: v == "mixtral", "mixture-of-experts blocks are not ported yet"),
     ("moe", "num_experts", lambda v: v, "mixture-of-experts blocks are not ported yet"),
-    ("parallelism", "num_slices", lambda v: v > 1, "multi-slice meshes are torch_xla's HybridMesh"),
-    ("loss", "chunk_size", lambda v: v, "its custom backward is not written for DTensors yet"),
-    ("eval", "at_end", lambda v: v, "evaluate the saved checkpoint with python -m torchtitan_xla.eval"),
 )
 
 
@@ -110,11 +107,21 @@ def _check_runtime(cfg: JobConfig, sources) -> None:
                           f"[runtime] backend = \"native\" use compile or eager")
     if step == "replay":  # the default, one compiled step: torch.compile here
         cfg.compile.step = "compile"
+    refusal = native_refusal(cfg)
+    if refusal:
+        section, key, value, why = refusal
+        raise ConfigError(f"{sources.describe(section, key)} = {value!r} is not available with "
+                          f"[runtime] backend = \"native\" yet: {why}")
+
+
+def native_refusal(cfg: JobConfig) -> tuple[str, str, object, str] | None:
+    """The first key the native runtime cannot run yet, as (section, key, value, why); None if it
+    runs the whole job."""
     for section, key, refused, why in _NOT_ON_NATIVE:
         value = getattr(getattr(cfg, section), key)
         if refused(value):
-            raise ConfigError(f"{sources.describe(section, key)} = {value!r} is not available with "
-                              f"[runtime] backend = \"native\" yet: {why}")
+            return section, key, value, why
+    return None
 
 
 def _check_moe(cfg: JobConfig, sources) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_xla import runtime
+from torchtitan_xla.losses import token_losses
 
 
 def pair_tokens(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
@@ -65,8 +66,11 @@ class Scorer:
         @torch.no_grad()
         def score(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             logits = model(inputs).float()
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            greedy = (logits.argmax(dim=-1) == targets).to(logp.dtype)
+            logp = -token_losses(logits, targets)  # vocab-parallel on logits sharded over tp
+            # Greedy: the target's logit is the largest (argmax has no DTensor sharding rule in
+            # torch 2.9; the two differ only on an exact tie). [..., 1] as the gather's shape.
+            target = logits.gather(-1, targets.unsqueeze(-1))
+            greedy = (target >= logits.amax(dim=-1, keepdim=True)).squeeze(-1).to(logp.dtype)
             return torch.stack([logp, greedy])
 
         state = [*model.parameters(), *model.buffers()]

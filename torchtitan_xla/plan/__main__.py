@@ -8,6 +8,7 @@ import math
 import sys
 
 from torchtitan_xla.config import parse_args, where
+from torchtitan_xla.config.checks import native_refusal
 from torchtitan_xla.errors import ConfigError, run_main
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
@@ -22,6 +23,17 @@ def _gib(n: float) -> str:
     return f"{n / GiB:8.2f} GiB"
 
 
+def runtime_line(cfg) -> str:
+    """Which runtime the job is meant for on the slice, and whether the other one runs it."""
+    if cfg.runtime.backend == "native":
+        return "runtime: native (TorchTPU: one process per chip, DTensor, torch.compile; not verified on TPU)"
+    refusal = native_refusal(cfg)
+    other = ("the native runtime (TorchTPU) runs it too ([runtime] backend = \"native\"; not verified on "
+             "a TPU)" if refusal is None else
+             "not on the native runtime yet: [{}] {} = {!r}, {}".format(*refusal))
+    return f"runtime: xla (torch_xla SPMD: one process per host); {other}"
+
+
 def report(plan, cfg) -> str:
     m, r, chip = plan.memory, plan.roofline, plan.slice.chip
     t, ac = cfg.training, cfg.activation_checkpoint
@@ -34,6 +46,7 @@ def report(plan, cfg) -> str:
     lines = [
         f"{cfg.model.name} {cfg.model.flavor} on {plan.slice.name}: {plan.slice.chips} {chip.name} chips, "
         f"{chip.hbm_bytes / GiB:g} GiB HBM each; mesh {mesh}",
+        runtime_line(cfg),
         "per device:",
         f"  parameters   {_gib(m.parameters)}   (float32; largest shard {name} {list(shape)} {spec})",
         f"  gradients    {_gib(m.gradients)}",

@@ -187,7 +187,9 @@ def accelerator_type() -> str | None:
 
 
 def slice_count() -> int:
-    return 1
+    """TPU slices of the job: libtpu's multi-slice setting (MEGASCALE_NUM_SLICES, set per slice by
+    GKE's JobSet or the launcher); one elsewhere."""
+    return int(os.environ.get("MEGASCALE_NUM_SLICES", "1")) if _kind == "tpu" else 1
 
 
 _profiler = None

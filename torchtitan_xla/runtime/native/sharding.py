@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan_xla.errors import ConfigError
+
 
 def placements(mesh, spec: Sequence) -> list:
     """One placement per mesh axis for `spec` (an axis of one device replicates: DTensor would
@@ -40,12 +42,24 @@ def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: 
                num_slices: int = 1):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    mesh = ", ".join(f"{a} {n}" for a, n in zip(axis_names, shape))
     if device_type.lower() == "tpu":
         # TorchTPU's rank layout for the slice's topology (axes ordered by growing traffic, as
-        # MESH_AXES are). Not verified on a TPU.
+        # MESH_AXES are); several slices split the first axis (dp_replicate) over the data-centre
+        # network, as the XLA runtime's HybridMesh. Not verified on a TPU.
         from torch.tpu.distributed import topology_aware_mesh
 
-        return DeviceMesh("tpu", topology_aware_mesh(tuple(shape)), mesh_dim_names=tuple(axis_names))
+        dcn = (num_slices,) + (1,) * (len(shape) - 1) if num_slices > 1 else None
+        try:
+            ranks = topology_aware_mesh(tuple(shape), dcn_mesh_shape=dcn)
+        except (ValueError, RuntimeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"[parallelism] the mesh ({mesh}) does not fit this TPU slice "
+                              f"({num_slices} slice(s)): torch-tpu says: {first}") from None
+        return DeviceMesh("tpu", ranks, mesh_dim_names=tuple(axis_names))
+    if num_slices > 1:
+        raise ConfigError(f"[parallelism] num_slices = {num_slices}: several slices are TPU "
+                          f"slices; this run's devices are {device_type}")
     return init_device_mesh(device_type.lower(), tuple(shape), mesh_dim_names=tuple(axis_names))
 
 
@@ -123,8 +137,12 @@ def constraint(mesh, spec: Sequence) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def input_sharding(mesh, spec: Sequence, *, hosts: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Batches as DTensors of `spec`: each process loads its own block (`data_shard`)."""
+    """Batches as DTensors of `spec`: each process loads its own block (`data_shard`) of the
+    `hosts` blocks of the global batch; with `hosts` = 1 every process holds the whole batch (as
+    evaluation loads it) and keeps its block, with no communication."""
     target = placements(mesh, spec)
+    if hosts == 1:
+        return lambda t: distribute_tensor(t, mesh, target, src_data_rank=None)
     return lambda t: DTensor.from_local(t, mesh, target, run_check=False)
 
 
@@ -153,11 +171,21 @@ def sharding_text(t: torch.Tensor) -> str:
 
 
 def per_shard(fn: Callable, mesh, specs: Sequence, out_spec: Sequence, sum_axes: Sequence):
-    """`fn` on every process's own blocks (torch's local_map, as jax's shard_map)."""
+    """`fn` on every process's own blocks (torch's local_map, as jax's shard_map); inputs are
+    redistributed to `specs` first. The gradient of an input replicated over a `sum_axes` axis is
+    that axis's partial sum (each process saw its block of the batch)."""
+    from torch.distributed.tensor import Partial
     from torch.distributed.tensor.experimental import local_map
 
+    def grad_placements(spec):
+        split = {a for axes in spec for a in ((axes,) if isinstance(axes, str) else (axes or ()))}
+        return tuple(Partial() if axis in sum_axes and axis not in split and mesh.size(i) > 1 else p
+                     for i, (axis, p) in enumerate(zip(mesh.mesh_dim_names, placements(mesh, spec))))
+
     return local_map(fn, out_placements=placements(mesh, out_spec),
-                     in_placements=tuple(placements(mesh, s) for s in specs), device_mesh=mesh)
+                     in_placements=tuple(placements(mesh, s) for s in specs),
+                     in_grad_placements=tuple(grad_placements(s) for s in specs), device_mesh=mesh,
+                     redistribute_inputs=True)
 
 
 class _ContiguousGrad(torch.autograd.Function):
