@@ -182,6 +182,7 @@ for name, args in json.loads(sys.argv[1]).items():
         params[pname] = dict(partition_spec=[list(a) if isinstance(a, tuple) else a for a in ps],
                              actual=spec(p), expected=expected(p.shape, ps), **state)
     results[name] = dict(losses={{s.step: s.loss for s in history}},
+                         grad_norms={{s.step: s.grad_norm for s in history}},
                          validation={{s.step: s.validation_loss for s in history
                                      if s.validation_loss is not None}},
                          compiles=compiles, params=params)

@@ -1,6 +1,8 @@
-"""tests/test_native_runtime.py's torchrun worker for the vocab-parallel loss: token_losses on
-logits sharded over the vocabulary of a (fsdp, tp) mesh against F.cross_entropy on the whole
-logits in float64, values and gradients, and the collectives it ran. Rank 0 writes $NATIVE_OUT."""
+"""tests/test_native_runtime.py's torchrun worker for DTensor numerics on the native runtime's
+(fsdp, tp) mesh: "loss", token_losses on logits sharded over the vocabulary against
+F.cross_entropy on the whole logits in float64, values and gradients, and the collectives it ran;
+"rules", the sharding rules the runtime adds (select, logsumexp) against plain tensors, for each
+layout. Rank 0 writes $NATIVE_OUT."""
 
 import json
 import os
@@ -10,15 +12,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from torchtitan_xla import runtime  # noqa: E402
 from torchtitan_xla.losses import IGNORE_INDEX, token_losses  # noqa: E402
 
 dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("fsdp", "tp"))
+runtime.use("native")
+mesh = runtime.build_mesh((2, dist.get_world_size() // 2), ("fsdp", "tp"), device_type="cpu")
 report = []
 for batch, seq, vocab, eps, z in [(2, 5, 12, 0.0, 0.0), (4, 3, 20, 0.1, 1e-3), (2, 7, 8, 0.2, 1e-2)]:
     g = torch.Generator().manual_seed(batch * seq * vocab)
@@ -41,6 +44,20 @@ for batch, seq, vocab, eps, z in [(2, 5, 12, 0.0, 0.0), (4, 3, 20, 0.1, 1e-3), (
                    "grad": (sharded.grad.full_tensor() - whole.grad).abs().max().item(),
                    "scale": want.abs().max().item(), "placements": repr(sharded.placements),
                    "collectives": sorted(str(k) for k in comm.get_comm_counts())})
+
+rules = []
+plain = torch.randn(4, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+for layout in ([Replicate(), Replicate()], [Shard(0), Replicate()], [Replicate(), Shard(2)], [Shard(1), Shard(2)]):
+    x = distribute_tensor(plain, mesh, layout)
+    # Each result, then x itself again: a rule that rewrote x's shape fails there.
+    got = {"x[..., 0]": x[..., 0], "x.select(1, 2)": x.select(1, 2), "logsumexp(-1)": torch.logsumexp(x, -1),
+           "logsumexp((0, 1), keepdim)": torch.logsumexp(x, (0, 1), keepdim=True), "x + 1": x + 1}
+    want = {"x[..., 0]": plain[..., 0], "x.select(1, 2)": plain.select(1, 2), "logsumexp(-1)": torch.logsumexp(plain, -1),
+            "logsumexp((0, 1), keepdim)": torch.logsumexp(plain, (0, 1), keepdim=True), "x + 1": plain + 1}
+    for name, value in got.items():
+        whole = value.full_tensor()
+        rules.append({"layout": repr(layout), "op": name, "shape": list(whole.shape) == list(want[name].shape),
+                      "error": (whole - want[name]).abs().max().item() if whole.shape == want[name].shape else None})
 if dist.get_rank() == 0:
-    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps(report))
+    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules}))
 dist.destroy_process_group()

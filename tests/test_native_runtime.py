@@ -35,6 +35,8 @@ MESHES = {
                                 "--parallelism.data_parallel_replicate_degree", "2",
                                 "--parallelism.data_parallel_shard_degree", "4"],
 }
+# fsdp=4 x tp=2 as long as the XLA run it is compared with (and exported); the others 10 steps.
+MESH_STEPS = {"fsdp=8": 10, "fsdp=4 x tp=2": 20, "dp_replicate=2 x fsdp=4": 10}
 OPTIMIZER_MESHES = {"Lion": ["--parallelism.tensor_parallel_degree", "2"],
                     "Adafactor": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
                     "Muon": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
@@ -43,6 +45,9 @@ CHUNKED = ["--loss.chunk_size", "32", "--loss.label_smoothing", "0.1", "--loss.z
 LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "3e-3"]
 CHUNKED_MESHES = {"tp=2": ["--parallelism.tensor_parallel_degree", "2"],
                   "fsdp=2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
+PROFILED = ["--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_active", "2"]
+# Mixtral's debug model (8 experts, top 2) at the recipe's capacity (tokens past an expert's slots dropped).
+MOE = ["--model.name", "mixtral", "--moe.capacity_factor", "1.25"]
 TEN_BLOCKS = {"n_layers": 10}  # more than dynamo's recompile limit (8): the blocks must share graphs
 
 
@@ -51,6 +56,15 @@ def seed(tmp_path_factory) -> Path:
     """A seed checkpoint (the initial weights alone) written by the XLA runtime."""
     folder = tmp_path_factory.mktemp("seed")
     p = run_train(tiny_args(folder, "--checkpoint.create_seed_checkpoint"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return folder / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def moe_seed(tmp_path_factory) -> Path:
+    """The same for Mixtral's debug model."""
+    folder = tmp_path_factory.mktemp("moe_seed")
+    p = run_train(tiny_args(folder, *MOE, "--checkpoint.create_seed_checkpoint"))
     assert p.returncode == 0, p.stderr[-3000:]
     return folder / "checkpoint" / "step-0"
 
@@ -67,41 +81,53 @@ def chunked_job(seed: Path) -> list[str]:
     return [*from_seed(seed, steps=6), *CHUNKED, "--training.local_batch_size", "8"]
 
 
+def float8_job(seed: Path) -> list[str]:
+    return [*from_seed(seed, steps=6), "--float8.enable_float8_linear", "--training.local_batch_size", "8"]
+
+
 def chat_job(seed: Path) -> list[str]:
     return [*from_seed(seed, steps=6), *CHAT, "--training.global_batch_size", "8", "--training.local_batch_size", "8"]
 
 
 @pytest.fixture(scope="module")
 def one_process(seed, tmp_path_factory) -> dict:
-    """The references on one process: the global batch at once from the seed checkpoint (exported
-    to HF after the last step), and the eager ten-block model for the compiled step."""
+    """The references on one process: the global batch at once from the seed checkpoint, 20 steps
+    (exported to HF after the last step) and 10 (the lr schedule spans the run), the eager
+    ten-block model for the compiled step; and 6 steps with the profiler on."""
     return native_jobs(tmp_path_factory.mktemp("one"), 1, {
         "mesh": [*EAGER, *from_seed(seed), "--training.local_batch_size", "8", *EXPORT],
-        "ten blocks": [*EAGER, "--training.local_batch_size", "8"]}, overrides={"ten blocks": TEN_BLOCKS})
+        "ten steps": [*EAGER, *from_seed(seed, 10), "--training.local_batch_size", "8"],
+        "ten blocks": [*EAGER, "--training.local_batch_size", "8"],
+        "profiled": [*EAGER, "--training.local_batch_size", "8", "--training.steps", "6", *PROFILED]},
+        overrides={"ten blocks": TEN_BLOCKS})
 
 
 @pytest.fixture(scope="module")
-def eight_processes(seed, xla_eight, tmp_path_factory) -> dict:
-    """On eight processes, eager: each of MESHES from the seed checkpoint; and "lora", resuming the
+def eight_processes(seed, moe_seed, xla_eight, tmp_path_factory) -> dict:
+    """On eight processes, eager: each of MESHES from the seed checkpoint; "lora", resuming the
     XLA runtime's LoRA run (fsdp=4 x tp=2) at step 5 (adapters start random: each runtime draws
-    its own)."""
+    its own); and "moe", Mixtral on ep=4 x fsdp=2."""
     folder = tmp_path_factory.mktemp("eight")
     copy_step(xla_eight["lora"]["folder"], folder / "lora", 5)
-    jobs = {mesh: [*EAGER, *from_seed(seed), *flags] for mesh, flags in MESHES.items()}
-    return native_jobs(folder, 8, jobs | {"lora": [*EAGER, *lora_job(seed)]})
+    jobs = {mesh: [*EAGER, *from_seed(seed, MESH_STEPS[mesh]), *flags] for mesh, flags in MESHES.items()}
+    moe = [*EAGER, *from_seed(moe_seed, steps=5), *MOE, "--parallelism.expert_parallel_degree", "4",
+           "--training.local_batch_size", "1"]
+    return native_jobs(folder, 8, jobs | {"lora": [*EAGER, *lora_job(seed)], "moe": moe})
 
 
 @pytest.fixture(scope="module")
 def two_processes(seed, tmp_path_factory) -> dict:
     """On two processes: the default (compiled) step of the ten-block model on tp=2, first (its
     compile counts are this process's first); accumulation with activation checkpointing; every
-    optimizer beyond AdamW; packed chat data on tp=2; the chunked loss on each of CHUNKED_MESHES."""
+    optimizer beyond AdamW; packed chat data and float8 on tp=2; the chunked loss on each of
+    CHUNKED_MESHES."""
     jobs = {"compiled": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                          "--debug.on_recompile", "error"],
-            "accumulation": [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
+            "accumulation": [*EAGER, *from_seed(seed, 10), "--training.local_batch_size", "4",
                              "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
+    jobs["float8"] = [*EAGER, *float8_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
     return native_jobs(tmp_path_factory.mktemp("two"), 2, jobs, overrides={"compiled": TEN_BLOCKS})
 
@@ -149,7 +175,7 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
     from torchtitan_xla.parallelisms import ParallelDims
     from torchtitan_xla.parallelisms.parallelize_llama import param_specs
 
-    run, one = eight_processes[mesh], one_process["mesh"]
+    run, one = eight_processes[mesh], one_process["mesh" if MESH_STEPS[mesh] == 20 else "ten steps"]
     # float32, the same sums in another order (reductions across processes): 2.4e-7 measured.
     close(run["losses"], one["losses"], rtol=1e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
@@ -195,12 +221,48 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
 
 
+def test_the_profiler_traces_exactly_the_configured_windows(one_process):
+    """Every 3 steps, the last 2 traced (steps 2-3 and 5-6): one torch.profiler trace per window
+    (TensorBoard's trace format), holding two optimizer steps (torch.optim's own markers) and the
+    model's matmuls."""
+    run = one_process["profiled"]
+    traces = run["folder"] / "profile_traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["iteration_3", "iteration_6"]
+    for window in ("iteration_3", "iteration_6"):
+        files = list((traces / window).rglob("*.pt.trace.json"))
+        assert len(files) == 1, files
+        names = [e.get("name", "") for e in json.loads(files[0].read_text())["traceEvents"]]
+        assert sum(n.startswith("Optimizer.step#AdamW.step") for n in names) == 2, window
+        assert "aten::mm" in names, window
+    assert "Profiler: steps 2-3 traced to" in run["log"] and "Profiler: steps 5-6 traced to" in run["log"]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="no CUDA GPU on this machine: the native runtime's CUDA path "
+                                        "runs only where torch sees one")
+def test_one_gpu_gives_the_cpus_losses_eager_and_compiled(seed, one_process, tmp_path):
+    """`[runtime] device = "cuda"`, one process, 10 steps from the seed checkpoint, eager and
+    compiled: the CPU process's losses (float32; 1.2e-7 measured on an H200 by
+    bench/bench_native_gpu.py)."""
+    cpu = one_process["ten steps"]["losses"]
+    runs = native_jobs(tmp_path, 1, {kind: [*from_seed(seed, 10), "--training.local_batch_size", "8",
+                                            "--runtime.device", "cuda", "--compile.step", kind]
+                                     for kind in ("eager", "compile")})
+    close(runs["eager"]["losses"], cpu, rtol=1e-6)
+    close(runs["compile"]["losses"], cpu, rtol=2e-5)  # inductor's fusions round otherwise
+
+
 def test_gradient_accumulation_and_activation_checkpointing_keep_the_one_process_losses(
         one_process, two_processes):
     """tp=2 on two processes, the global batch of 8 as two microbatches of 4, every block
     recomputed in the backward (full activation checkpointing): the one-process losses and
     gradient norms (batch 8 at once, nothing recomputed) within float32 reordering."""
-    run, one = two_processes["accumulation"], one_process["mesh"]
+    run, one = two_processes["accumulation"], one_process["ten steps"]
     assert "2 accumulation step(s)" in run["log"] and "Activation checkpointing: full" in run["log"]
     close(run["losses"], one["losses"], rtol=1e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
@@ -240,29 +302,48 @@ def test_lora_on_fsdp4_tp2_gives_the_xla_runtimes_losses(eight_processes, xla_ei
     close(run["losses"], {s: v for s, v in xla_eight["lora"]["losses"].items() if s > 5}, rtol=1e-5)
 
 
-def test_the_loss_is_vocab_parallel_on_sharded_logits(tmp_path):
+@pytest.fixture(scope="module")
+def four_processes_dtensor(tmp_path_factory) -> dict:
+    """tests/native_loss_worker.py on fsdp=2 x tp=2 (four processes): its report."""
+    out = tmp_path_factory.mktemp("dtensor") / "report.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_"))}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                        str(REPO / "tests" / "native_loss_worker.py")], capture_output=True, text=True,
+                       env=dict(env, NATIVE_OUT=str(out)), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_loss_is_vocab_parallel_on_sharded_logits(four_processes_dtensor):
     """token_losses on logits sharded over the vocabulary (fsdp=2 x tp=2, four processes) equals
     F.cross_entropy (with label smoothing, z-loss, ignored labels) on the whole logits in float64,
     values and gradients, for three shapes; and runs only all-reduces of per-token values: the
-    logits are never gathered (tests/native_loss_worker.py)."""
-    out = tmp_path / "loss.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        str(REPO / "tests" / "native_loss_worker.py")], capture_output=True, text=True,
-                       env=dict(os.environ, NATIVE_OUT=str(out)), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    for case in json.loads(out.read_text()):
+    logits are never gathered."""
+    for case in four_processes_dtensor["loss"]:
         assert case["placements"] == "(Shard(dim=0), Shard(dim=2))"
         assert case["value"] <= 1e-14 * case["scale"] and case["grad"] <= 1e-14, case
         assert case["collectives"] == ["c10d_functional.all_reduce"], case
 
 
+def test_the_sharding_rules_the_runtime_adds_give_the_plain_tensors_values(four_processes_dtensor):
+    """select (torch 2.9's rewrote a replicated input's shape) and logsumexp (no rule in 2.9) on a
+    float64 tensor in four layouts of fsdp=2 x tp=2, replicated, sharded on the selected or reduced
+    dimension or on another: the plain tensor's values exactly, and the input still itself after."""
+    rules = four_processes_dtensor["rules"]
+    assert len(rules) == 4 * 5
+    for case in rules:
+        assert case["shape"] and case["error"] is not None and case["error"] <= 1e-15, case
+
+
 @pytest.fixture(scope="module")
-def xla_one_device(seed, tmp_path_factory) -> dict:
+def xla_one_device(seed, moe_seed, tmp_path_factory) -> dict:
     """The XLA runtime on one device (one process): each of OPTIMIZER_MESHES' optimizers, packed
-    chat data, and the chunked loss."""
+    chat data, the chunked loss, float8, and Mixtral."""
     folder = tmp_path_factory.mktemp("xla_one")
     runs = {name: [*SYNTHETIC, *optimizer_job(seed, name)] for name in OPTIMIZER_MESHES}
-    runs |= {"chat": chat_job(seed), "chunked": [*SYNTHETIC, *chunked_job(seed)]}
+    runs |= {"chat": chat_job(seed), "chunked": [*SYNTHETIC, *chunked_job(seed)],
+             "float8": [*SYNTHETIC, *float8_job(seed)],
+             "moe": [*SYNTHETIC, *from_seed(moe_seed, steps=5), *MOE, "--training.local_batch_size", "8"]}
     return train_many({name: tiny_args(folder / name, *flags) for name, flags in runs.items()}, devices=1)
 
 
@@ -286,6 +367,23 @@ def test_packed_chat_data_gives_the_xla_runtimes_losses(one_process, two_process
     assert abs(run["losses"]["1"] - one_process["mesh"]["losses"]["1"]) > 1e-3
 
 
+def test_float8_linears_give_the_xla_runtimes_losses(two_processes, xla_one_device):
+    """Float8 linears (tensorwise scales from whole-tensor maxima, operands rounded to float8 and
+    multiplied in float32: the CPU emulation the XLA runtime runs) on tp=2, two processes, 6 steps
+    from one seed checkpoint: the XLA runtime's losses on one device."""
+    run = two_processes["float8"]
+    assert re.search(r"Float8 \(tensorwise\): \d+ of \d+ linear layers", run["log"]), run["log"][-2000:]
+    xla = xla_one_device["float8"]
+    # Float8 rounds operands to 3 mantissa bits (2 for gradients): the runtimes' float32
+    # reorderings (1e-7) flip some roundings. Measured: 1.2e-5 over 6 steps.
+    close(run["losses"], xla["losses"], rtol=5e-5)
+    # Step 1's gradient norm (the same weights, no update yet) tells float8 from float32 where the
+    # losses cannot: 3.2e-6 from the XLA runtime's float8, 2.5e-4 from float32 (measured).
+    float8, float32 = (r["grad_norms"]["1"] for r in (run, two_processes["accumulation"]))
+    assert abs(float8 - xla["grad_norms"]["1"]) <= 2e-5 * float8
+    assert abs(float32 - xla["grad_norms"]["1"]) > 1e-4 * float8
+
+
 @pytest.mark.parametrize("mesh", CHUNKED_MESHES)
 def test_the_chunked_loss_gives_the_xla_runtimes_losses(mesh, two_processes, xla_one_device):
     """The chunked loss (32 tokens at a time, label smoothing and z-loss), 6 steps from one seed
@@ -296,6 +394,21 @@ def test_the_chunked_loss_gives_the_xla_runtimes_losses(mesh, two_processes, xla
     close(two_processes[f"chunked {mesh}"]["losses"], xla_one_device["chunked"]["losses"], rtol=1e-5)
 
 
+def test_mixture_of_experts_on_ep4_fsdp2_gives_the_xla_runtimes_losses(eight_processes, xla_one_device):
+    """Mixtral's debug model on eight processes, ep=4 x fsdp=2: each process holds 2 of the 8
+    experts (their weights split over fsdp), the tokens' expert slots go to the experts' processes
+    and back (DTensor's all-to-all; gloo's is an all-gather and a slice), capacity 1.25 dropping
+    per sequence as on one device, router losses in the gradient. 5 steps from one seed checkpoint:
+    the XLA runtime's losses on one device."""
+    run = eight_processes["moe"]
+    close(run["losses"], xla_one_device["moe"]["losses"], rtol=1e-5)
+    # ep (axis 2 of dp_replicate, fsdp, ep, tp) splits the expert dimension, fsdp the next one.
+    w1 = run["layout"]["layers.0.feed_forward.w1"]
+    assert w1["placements"] == ["Replicate()", "Shard(dim=1)", "Shard(dim=0)", "Replicate()"], w1
+    assert w1["local"] == [2, w1["shape"][1] // 2, w1["shape"][2]], w1
+    assert any(float(d) > 0 for d in re.findall(r"dropped: ([\d.]+)%", run["log"])), run["log"][-2000:]
+
+
 BAD = [
     (["--runtime.device", "tpu"], r"--runtime\.device.* = \"tpu\": torch-tpu is not installed"),
     (["--runtime.device", "cuda"], r"--runtime\.device.* = \"cuda\": torch sees no CUDA GPU"),
@@ -304,6 +417,7 @@ BAD = [
      r"the command line\)"),
     (["--compile.step", "lazy"], r"--compile\.step = \"lazy\" is torch_xla's; with \[runtime\] backend"),
     (["--compile.scan_layers"], r"--compile\.scan_layers = True is not available with \[runtime\] backend"),
+    (["--moe.grouped_mm", "--model.name", "mixtral"], r"--moe\.grouped_mm = True is not available with \[runtime\] backend.*Pallas"),
 ]
 
 

@@ -121,9 +121,7 @@ def test_every_recipe_fits_its_slice(recipe):
     assert p.stdout.strip().splitlines()[-1] == f"verdict: FITS on {RECIPES[recipe]}"
     assert "MFU at most" in p.stdout
     # Which runtime the recipe is meant for; whether the native one (TorchTPU) runs it too.
-    other = ("not on the native runtime yet: [model] name = 'mixtral', mixture-of-experts blocks are not ported yet"
-             if recipe == "mixtral_8x7b" else
-             'the native runtime (TorchTPU) runs it too ([runtime] backend = "native"; not verified on a TPU)')
+    other = 'the native runtime (TorchTPU) runs it too ([runtime] backend = "native"; not verified on a TPU)'
     assert p.stdout.splitlines()[1] == f"runtime: xla (torch_xla SPMD: one process per host); {other}"
 
 

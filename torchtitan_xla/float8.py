@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
@@ -65,6 +66,11 @@ def _float8_dot(dot, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, o
     return (dot(a8, b8, a_dims, b_dims) * (a_scale * b_scale).reciprocal()).to(out_dtype)
 
 
+def _upcast_dot(a8: torch.Tensor, b8: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:
+    """The float8 operands upcast, multiplied in float32 (exact products; the reference off XLA)."""
+    return torch.tensordot(a8.float(), b8.float(), dims=(a_dims, b_dims))
+
+
 @torch.library.custom_op("torchtitan_xla::float8_dot", mutates_args=())
 def float8_dot(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                a_dims: list[int], b_dims: list[int], a_dtype: torch.dtype, b_dtype: torch.dtype,
@@ -77,8 +83,7 @@ def float8_dot(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale:
     AOTAutograd (scan) see one matmul, and no float8 tensor is ever saved for the backward pass
     (scan cannot carry float8 residuals). This body upcasts the float8 operands: the reference
     used off XLA."""
-    return _float8_dot(lambda a8, b8, ad, bd: torch.tensordot(a8.float(), b8.float(), dims=(ad, bd)),
-                       a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
+    return _float8_dot(_upcast_dot, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
 @float8_dot.register_kernel("xla")
@@ -89,6 +94,13 @@ def _float8_dot_xla(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, ou
     dot_f32 = runtime.kernels.dot_f32
 
     return _float8_dot(dot_f32, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
+
+
+@float8_dot.register_torch_dispatch(DTensor)
+def _float8_dot_dtensor(mode, func, types, args, kwargs):
+    """On DTensors (the native runtime), which have no sharding rule for this op: its body, every
+    step of which has one (the scales are whole-tensor maxima, as under SPMD)."""
+    return _float8_dot(_upcast_dot, *args, **kwargs)
 
 
 @float8_dot.register_fake

@@ -1,4 +1,4 @@
-"""XLA profiler traces of chosen steps, and torch_xla's metrics report.
+"""Profiler traces of chosen steps (the runtime's profiler), and torch_xla's metrics report.
 
     [profiling]
     enable_profiling = true
@@ -8,7 +8,9 @@
 Each trace goes to <dump_folder>/<save_traces_folder>/iteration_<last step>/plugins/profile/<time>/
 as <host>.xplane.pb (what TensorBoard's profile plugin and XProf read) plus a Chrome-trace
 <host>.trace.json.gz. torch_xla's profiler works on the CPU backend as well as on TPU; on CPU the
-trace holds the host side only (Python, lazy tracing, XLA CPU execution threads).
+trace holds the host side only (Python, lazy tracing, XLA CPU execution threads). On the native
+runtime each process writes torch.profiler's Chrome trace (<host>_<pid>.<time>.pt.trace.json) into
+the same folder, which TensorBoard's profile plugin and Perfetto read.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: 
                num_slices: int = 1):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    _register_op_rules()
     mesh = ", ".join(f"{a} {n}" for a, n in zip(axis_names, shape))
     if device_type.lower() == "tpu":
         # TorchTPU's rank layout for the slice's topology (axes ordered by growing traffic, as
@@ -263,3 +264,44 @@ class FullTensorInit(TorchDispatchMode):
                 target.to_local().copy_(local)
             return target
         return func(*args, **kwargs)
+
+
+# DTensor sharding rules that the shared code needs and torch's DTensor lacks or gets wrong, given
+# through its public `register_sharding` (once, by `build_mesh`), so that the model stays plain
+# PyTorch. `logsumexp` has no rule in torch 2.9 (the MoE router's z-loss; 2.11 has one). `select`
+# (`x[..., 0]`) on a DTensor replicated on every axis rewrites the *input's* shape to the output's
+# in torch 2.9 (its rule returns the input spec, then fills in the output's shape:
+# pytorch/pytorch#179290; 2.11's is right and gives the same placements as this one), so any later
+# use of that tensor fails. Each rule: the reduced or selected dimension whole, any other may stay
+# sharded.
+_rules_registered = False
+
+
+def _sharded_dims_kept(ndim: int, removed: set[int], keepdim: bool):
+    """One rule per dimension that may stay sharded: ([output placement], [input placement, ...])."""
+    rules, shift = [([Replicate()], [Replicate(), None, None])], 0
+    for d in range(ndim):
+        if d in removed:
+            shift += 0 if keepdim else 1
+        else:
+            rules.append(([Shard(d - shift)], [Shard(d), None, None]))
+    return rules
+
+
+def _register_op_rules() -> None:
+    global _rules_registered
+    if _rules_registered:
+        return
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten, propagator = torch.ops.aten, DTensor._op_dispatcher.sharding_propagator
+    if aten.logsumexp.default not in propagator.op_strategy_funcs:
+        register_sharding(aten.logsumexp.default)(lambda x, dim, keepdim=False: _sharded_dims_kept(
+            x.ndim, {d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim)}, keepdim))
+        # register_sharding keys its cache on the arguments from the first int one on; `dim` is
+        # a list, so one dim's rule would serve another: key on every argument after x.
+        propagator.op_to_schema_info[aten.logsumexp.default] = RuntimeSchemaInfo(1)
+    register_sharding(aten.select.int)(
+        lambda x, dim, index: _sharded_dims_kept(x.ndim, {dim % x.ndim}, keepdim=False))
+    _rules_registered = True
