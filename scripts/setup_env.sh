@@ -58,7 +58,7 @@ setup_python() {
     # torch_xla's bridge to JAX: nothing without torch_xla uses them
     if ! _has_modules "$PY" torch_xla; then keep+=(jax jaxlib torchax); fi
     if ! _has_modules "$PY" torchtitan_xla tiktoken sentencepiece tomli_w datasets torchdata transformers \
-        || { [[ -n "$extras" ]] && ! _has_modules "$PY" pytest; }; then
+        || { [[ -n "$extras" ]] && ! _has_modules "$PY" pytest xdist; }; then
       echo "[setup] adding torchtitan_xla to $PY (its torch left as it is)" >&2
       "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
       "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude "${keep[@]}")

@@ -14,8 +14,9 @@ from helpers import REPO, tiny_args
 
 # Synthetic data: the global batch is the same whatever the number of processes
 # (datasets/packing.py), so losses can be compared step by step.
-NATIVE = ["--runtime.backend", "native", "--training.dataset", "synthetic", "--training.steps", "10",
-          "--training.global_batch_size", "8"]
+# On the CPU (gloo) wherever the tests run, also on a machine with a GPU ("auto" would take it).
+NATIVE = ["--runtime.backend", "native", "--runtime.device", "cpu", "--training.dataset", "synthetic",
+          "--training.steps", "10", "--training.global_batch_size", "8"]
 EAGER = ["--compile.step", "eager"]
 
 

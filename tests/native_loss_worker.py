@@ -56,7 +56,8 @@ for layout in ([Replicate(), Replicate()], [Shard(0), Replicate()], [Replicate()
             "logsumexp((0, 1), keepdim)": torch.logsumexp(plain, (0, 1), keepdim=True), "x + 1": plain + 1}
     for name, value in got.items():
         whole = value.full_tensor()
-        rules.append({"layout": repr(layout), "op": name, "shape": list(whole.shape) == list(want[name].shape),
+        rules.append({"layout": repr(layout), "op": name, "placements": repr(value.placements),
+                      "shape": list(whole.shape) == list(want[name].shape),
                       "error": (whole - want[name]).abs().max().item() if whole.shape == want[name].shape else None})
 if dist.get_rank() == 0:
     Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules}))

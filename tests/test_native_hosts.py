@@ -74,8 +74,8 @@ def finish_hosts(procs: list[subprocess.Popen], folder: Path, processes: int = 4
 
 
 HOSTS_STEPS = 12
-HOSTS_JOB = [*EAGER, "--runtime.backend", "native", "--training.global_batch_size", "8",
-             "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "4",
+HOSTS_JOB = [*EAGER, "--runtime.backend", "native", "--runtime.device", "cpu",
+             "--training.global_batch_size", "8", "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "4",
              "--training.steps", str(HOSTS_STEPS), "--checkpoint.enable", "--checkpoint.interval", "1000"]
 
 

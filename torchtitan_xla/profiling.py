@@ -9,8 +9,8 @@ Each trace goes to <dump_folder>/<save_traces_folder>/iteration_<last step>/plug
 as <host>.xplane.pb (what TensorBoard's profile plugin and XProf read) plus a Chrome-trace
 <host>.trace.json.gz. torch_xla's profiler works on the CPU backend as well as on TPU; on CPU the
 trace holds the host side only (Python, lazy tracing, XLA CPU execution threads). On the native
-runtime each process writes torch.profiler's Chrome trace (<host>_<pid>.<time>.pt.trace.json) into
-the same folder, which TensorBoard's profile plugin and Perfetto read.
+runtime each process writes torch.profiler's Chrome trace straight into iteration_<last step>/ as
+<host>_<pid>.<time>.pt.trace.json (Perfetto and chrome://tracing read it).
 """
 
 from __future__ import annotations

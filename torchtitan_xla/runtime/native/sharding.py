@@ -271,9 +271,8 @@ class FullTensorInit(TorchDispatchMode):
 # PyTorch. `logsumexp` has no rule in torch 2.9 (the MoE router's z-loss; 2.11 has one). `select`
 # (`x[..., 0]`) on a DTensor replicated on every axis rewrites the *input's* shape to the output's
 # in torch 2.9 (its rule returns the input spec, then fills in the output's shape:
-# pytorch/pytorch#179290; 2.11's is right and gives the same placements as this one), so any later
-# use of that tensor fails. Each rule: the reduced or selected dimension whole, any other may stay
-# sharded.
+# pytorch/pytorch#179290; right in 2.11), so any later use of that tensor fails. Each rule: the
+# reduced or selected dimension whole, any other may stay sharded.
 _rules_registered = False
 
 
@@ -302,6 +301,7 @@ def _register_op_rules() -> None:
         # register_sharding keys its cache on the arguments from the first int one on; `dim` is
         # a list, so one dim's rule would serve another: key on every argument after x.
         propagator.op_to_schema_info[aten.logsumexp.default] = RuntimeSchemaInfo(1)
-    register_sharding(aten.select.int)(
-        lambda x, dim, index: _sharded_dims_kept(x.ndim, {dim % x.ndim}, keepdim=False))
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 11):
+        register_sharding(aten.select.int)(
+            lambda x, dim, index: _sharded_dims_kept(x.ndim, {dim % x.ndim}, keepdim=False))
     _rules_registered = True
