@@ -21,16 +21,17 @@ EAGER = ["--compile.step", "eager"]
 
 
 def native_jobs(folder: Path, processes: int, jobs: dict[str, list[str]], *,
-                overrides: dict[str, dict] | None = None, timeout: int = 900) -> dict[str, dict]:
+                model: dict | None = None, overrides: dict[str, dict] | None = None,
+                timeout: int = 900) -> dict[str, dict]:
     """Each job (name: flags) in turn, in one set of `processes` torchrun processes, each in its own
     folder under `folder`: rank 0's losses, grad norms, parameter layouts and log lines, by job.
-    `overrides`: ModelArgs fields, by job name."""
+    `model`: ModelArgs fields for every job; `overrides`: more, by job name."""
     specs, results = [], {}
     for name, flags in jobs.items():
         sub = folder / re.sub(r"\W+", "_", name)
         sub.mkdir(parents=True, exist_ok=True)
         specs.append({"args": tiny_args(sub, *NATIVE, *flags), "out": str(sub / "result.json"),
-                      "overrides": (overrides or {}).get(name, {})})
+                      "overrides": (model or {}) | (overrides or {}).get(name, {})})
         results[name] = {"folder": sub}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
            str(REPO / "tests" / "native_driver.py")]

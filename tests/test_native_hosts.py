@@ -15,6 +15,10 @@ import pytest
 from helpers import REPO, tiny_args
 from native_helpers import EAGER, close
 
+# The debug model cut to two layers (as tests/test_native_runtime.py): each layer more costs every
+# eager step its collectives, and four processes share two cores.
+LAYERS = {"n_layers": 2}
+
 
 def planned_hosts(flags: list[str], env: dict[str, str]) -> list[tuple[dict[str, str], list[str]]]:
     """`run_train.sh --dry-run`'s plan: each host's variables and command (for every host)."""
@@ -52,7 +56,8 @@ def start_hosts(flags: list[str], hosts: int, folder: Path) -> tuple[list, list[
         assert command[1:3] == ["-m", "torch.distributed.run"] and variables["TTX_RUNTIME"] == "native"
         command = [str(REPO / "tests" / "native_driver.py") if c.endswith("train.py") else c for c in command]
         command[command.index("--job.dump_folder") + 1] = str(folder)
-        procs.append(subprocess.Popen(command, env=dict(env, **variables, NATIVE_OUT=str(folder / "result.json")),
+        procs.append(subprocess.Popen(command, env=dict(env, **variables, NATIVE_OUT=str(folder / "result.json"),
+                                                        NATIVE_OVERRIDES=json.dumps(LAYERS)),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     return plan, procs
 
@@ -81,7 +86,7 @@ HOSTS_JOB = [*EAGER, "--runtime.backend", "native", "--runtime.device", "cpu",
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory) -> dict:
-    """The debug model on two hosts x two processes (fsdp=4), uninterrupted."""
+    """The debug model (two layers) on two hosts x two processes (fsdp=4), uninterrupted."""
     folder = tmp_path_factory.mktemp("two_hosts")
     plan, procs = start_hosts(tiny_args(folder, *HOSTS_JOB), 2, folder)
     return finish_hosts(procs, folder) | {"plan": plan}
