@@ -2,7 +2,8 @@
 (fsdp, tp) mesh: "loss", token_losses on logits sharded over the vocabulary against
 F.cross_entropy on the whole logits in float64, values and gradients, and the collectives it ran;
 "rules", the sharding rules the runtime adds (select, logsumexp) against plain tensors, for each
-layout. Rank 0 writes $NATIVE_OUT."""
+layout; "float8", float8_dot's rule (torchtitan_xla.float8) on the layouts a linear layer meets,
+against the plain op. Rank 0 writes $NATIVE_OUT."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torchtitan_xla import runtime  # noqa: E402
+from torchtitan_xla.float8 import E4M3, E5M2, float8_dot, tensorwise_scale  # noqa: E402
 from torchtitan_xla.losses import IGNORE_INDEX, token_losses  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -59,6 +61,27 @@ for layout in ([Replicate(), Replicate()], [Shard(0), Replicate()], [Replicate()
         rules.append({"layout": repr(layout), "op": name, "placements": repr(value.placements),
                       "shape": list(whole.shape) == list(want.shape),
                       "error": (whole - want).abs().max().item() if whole.shape == want.shape else None})
+
+R = Replicate()
+# (a, b, contracted dims, dtypes, a's layout, b's layout) on (fsdp, tp): x [batch, seq, in] and
+# w [out, in] of a column- and a row-parallel layer's forward, and the weight gradient g.T @ x.
+F8_CASES = {"column-parallel": ((4, 6, 32), (48, 32), [2], [1], E4M3, E4M3, [Shard(0), R], [R, Shard(0)]),
+            "row-parallel": ((4, 6, 32), (48, 32), [2], [1], E4M3, E4M3, [Shard(0), Shard(2)], [R, Shard(1)]),
+            "replicated": ((2, 8, 32), (16, 32), [2], [1], E4M3, E4M3, [R, R], [R, R]),
+            "weight gradient": ((4, 8, 48), (4, 8, 32), [0, 1], [0, 1], E5M2, E4M3, [Shard(0), Shard(2)],
+                                [Shard(0), R])}
+float8 = []
+for name, (sa, sb, a_dims, b_dims, fa, fb, la, lb) in F8_CASES.items():
+    g = torch.Generator().manual_seed(len(name))
+    a, b = torch.randn(sa, generator=g), torch.randn(sb, generator=g)
+    want = float8_dot(a, b, tensorwise_scale(a, fa), tensorwise_scale(b, fb), a_dims, b_dims, fa, fb, torch.float32)
+    da, db = distribute_tensor(a, mesh, la), distribute_tensor(b, mesh, lb)
+    scales = tensorwise_scale(da, fa), tensorwise_scale(db, fb)  # whole-tensor maxima: all-reduces
+    with CommDebugMode() as comm:
+        got = float8_dot(da, db, *scales, a_dims, b_dims, fa, fb, torch.float32)
+    float8.append({"case": name, "placements": repr(got.placements),
+                   "collectives": sorted(str(k) for k in comm.get_comm_counts()),
+                   "error": ((got.full_tensor() - want).abs().max() / want.abs().max()).item()})
 if dist.get_rank() == 0:
-    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules}))
+    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules, "float8": float8}))
 dist.destroy_process_group()

@@ -13,17 +13,21 @@ recipe: the largest magnitude maps to the format's largest finite value.
 
 On hardware with float8 matrix units the compiler can run these dots natively (not verified here);
 the CPU backend rounds the operands to float8 and then multiplies in float32, which gives the same
-numbers (products of float8 values are exact in float32). docs/float8.md has the measurements.
+numbers (products of float8 values are exact in float32). Off XLA the dot is `torch._scaled_mm`,
+torchao's GEMM (float8 tensor cores on GPUs; not verified on a GPU; the CPU's gives the upcast
+product), on each process's blocks under DTensor (the op's sharding rule). docs/float8.md has the
+measurements.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
@@ -71,6 +75,22 @@ def _upcast_dot(a8: torch.Tensor, b8: torch.Tensor, a_dims: list[int], b_dims: l
     return torch.tensordot(a8.float(), b8.float(), dims=(a_dims, b_dims))
 
 
+def _scaled_mm_dot(a8: torch.Tensor, b8: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:
+    """The same contraction as one `torch._scaled_mm` GEMM of [free, contracted] x [contracted,
+    free] matrices (b column-major, as the GEMM takes it), float32 out. GPUs' float8 GEMMs take
+    contracted and output widths in multiples of 16 only: any other shape is upcast."""
+    a_free = [d for d in range(a8.dim()) if d not in a_dims]
+    b_free = [d for d in range(b8.dim()) if d not in b_dims]
+    a2 = a8.permute(*a_free, *a_dims).reshape(-1, math.prod(a8.shape[d] for d in a_dims))
+    b2 = b8.permute(*b_free, *b_dims).reshape(-1, a2.shape[1])  # [free, contracted]: .t() column-major
+    if a2.shape[1] % DIM_MULTIPLE or b2.shape[0] % DIM_MULTIPLE:
+        return _upcast_dot(a8, b8, a_dims, b_dims)
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    out = torch._scaled_mm(a2.contiguous(), b2.contiguous().t(), scale_a=one, scale_b=one,
+                           out_dtype=torch.float32)
+    return out.reshape(*(a8.shape[d] for d in a_free), *(b8.shape[d] for d in b_free))
+
+
 @torch.library.custom_op("torchtitan_xla::float8_dot", mutates_args=())
 def float8_dot(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                a_dims: list[int], b_dims: list[int], a_dtype: torch.dtype, b_dtype: torch.dtype,
@@ -96,11 +116,10 @@ def _float8_dot_xla(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, ou
     return _float8_dot(dot_f32, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
-@float8_dot.register_torch_dispatch(DTensor)
-def _float8_dot_dtensor(mode, func, types, args, kwargs):
-    """On DTensors (the native runtime), which have no sharding rule for this op: its body, every
-    step of which has one (the scales are whole-tensor maxima, as under SPMD)."""
-    return _float8_dot(_upcast_dot, *args, **kwargs)
+@float8_dot.register_kernel(("cpu", "cuda"))
+def _float8_dot_scaled_mm(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype):
+    """Off XLA: torch._scaled_mm (the native runtime, on each process's blocks under DTensor)."""
+    return _float8_dot(_scaled_mm_dot, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
 @float8_dot.register_fake
@@ -112,6 +131,36 @@ def _float8_dot_fake(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, o
 
 # The op as dispatch modes (activation-checkpoint policies) see it.
 FLOAT8_DOT_OP = torch.ops.torchtitan_xla.float8_dot.default
+
+
+def _float8_dot_shardings(a, b, a_scale, b_scale, a_dims, b_dims, *dtypes):
+    """DTensor's rule for the op, per mesh axis: a free dimension of either operand sharded (the
+    other operand whole) gives the output sharded on it; both sharded on a contracted pair gives
+    partial sums; the scales are whole-tensor values, replicated. Each process then runs the op's
+    own kernel on its blocks (DTensor gathers what no rule takes)."""
+    def inputs(pa, pb):
+        return [pa, pb, Replicate(), Replicate(), None, None, None, None, None]
+
+    a_free = [d for d in range(a.ndim) if d not in a_dims]
+    b_free = [d for d in range(b.ndim) if d not in b_dims]
+    return ([([Replicate()], inputs(Replicate(), Replicate()))]
+            + [([Shard(i)], inputs(Shard(d), Replicate())) for i, d in enumerate(a_free)]
+            + [([Shard(len(a_free) + i)], inputs(Replicate(), Shard(d))) for i, d in enumerate(b_free)]
+            + [([Partial()], inputs(Shard(da), Shard(db))) for da, db in zip(a_dims, b_dims)])
+
+
+def _register_float8_dot_sharding() -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor.experimental import register_sharding
+
+    register_sharding(FLOAT8_DOT_OP)(_float8_dot_shardings)
+    # register_sharding keys its rule cache on the tensors' layouts alone (it finds no int
+    # argument): key it on the contracted dims and dtypes too.
+    DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[FLOAT8_DOT_OP] = RuntimeSchemaInfo(4)
+
+
+_register_float8_dot_sharding()
 
 
 class _Float8Matmul(torch.autograd.Function):
