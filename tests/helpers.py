@@ -65,6 +65,15 @@ def _env(devices: int, extra: dict[str, str | None] | None) -> dict[str, str]:
     return env
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous or a test server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_train(args: list[str], *, devices: int = 1, script: str = "train.py",
               env: dict[str, str | None] | None = None, timeout: int = 600) -> Run:
     """train.py (or run_train.sh) with `devices` virtual XLA CPU devices."""

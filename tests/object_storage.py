@@ -11,7 +11,6 @@ import collections
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+
+from helpers import free_port
 
 # gcp-storage-emulator lacks the objects.move API (GCS's rename, which gcsfs tries first and
 # then retries for ~30 s before copying): served here as the copy plus delete it stands for.
@@ -55,12 +56,6 @@ S3_BUCKET = "ttx-s3"
 # In a server's environment: its log file (not read by the libraries).
 LOG_KEY = "TTX_TEST_SERVER_LOG"
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" (\d+)')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_up(url: str, proc: subprocess.Popen, log: str, timeout: float = 60) -> None:

@@ -11,23 +11,16 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from helpers import REPO, tiny_args
+from helpers import REPO, free_port, tiny_args
 
 from torchtitan_xla.checkpoint import committed_steps
 from torchtitan_xla.config import parse_args
 from torchtitan_xla.datasets import build_data_loader, build_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_two(args: list[str], port: int) -> list[subprocess.Popen]:

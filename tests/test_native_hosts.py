@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import REPO, tiny_args
+from helpers import REPO, free_port, tiny_args
 from native_helpers import EAGER, close
 
 # The debug model cut to two layers (as tests/test_native_runtime.py): each layer more costs every
@@ -31,14 +31,6 @@ def planned_hosts(flags: list[str], env: dict[str, str]) -> list[tuple[dict[str,
         variables = dict(shlex.split(line)[0].split("=", 1) for line in lines[:-1])
         hosts.append((variables, shlex.split(lines[-1])))
     return hosts
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        return free.getsockname()[1]
 
 
 def host_env(hosts: int) -> dict[str, str]:

@@ -17,12 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from checkpoint_helpers import SLOW_SAVE, TWO_BLOCKS, args, run
-from helpers import REPO, tiny_args, train_process
+from helpers import REPO, free_port, tiny_args, train_process
 from object_storage import (
     GCS_BUCKET,
     S3_BUCKET,
     environment,
-    free_port,
     gcs_server,
     reads,
     requests,

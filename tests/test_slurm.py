@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, STEP_LINE
+from helpers import REPO, STEP_LINE, free_port
 
 from torchtitan_xla.launch import parse_nodelist
 
@@ -46,12 +46,6 @@ def _install_reason() -> str | None:
     return f"installed slurm-wlm and munge, but {missing} are missing" if missing else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A one-node Slurm cluster on loopback; yields the environment its clients need."""
@@ -71,8 +65,8 @@ def slurm(tmp_path_factory):
     conf.write_text(f"""\
 ClusterName=ttxtest
 SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 AuthType=auth/munge
 AuthInfo=socket={d}/munge.sock
 CredType=cred/munge
