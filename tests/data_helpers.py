@@ -11,7 +11,7 @@ from pathlib import Path
 class CharTokenizer:
     """One id per character (code point mod 256), BOS 256, EOS 257: windows read back as text."""
 
-    n_words, bos_id, eos_id = 258, 256, 257
+    n_words, bos_id, eos_id, chat_format = 258, 256, 257, None
 
     def encode(self, text, *, bos, eos):
         return [self.bos_id] * bos + [ord(c) % 256 for c in text] + [self.eos_id] * eos

@@ -175,3 +175,56 @@ def test_registry_is_not_mutated():
     b = get_model_args("llama3", "debugmodel")
     assert a.vocab_size == 10 and b.vocab_size == -1
     assert dataclasses.replace(b) == b
+
+
+# Qwen3: per-head query/key norms before RoPE, heads wider than dim / n_heads, grouped-query.
+QWEN3 = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim_override=24, qk_norm=True,
+                  vocab_size=97, multiple_of=192, rope_theta=1e6, norm_eps=1e-6, max_seq_len=48)
+
+
+@pytest.mark.parametrize("seq", [48, 17])
+def test_qwen3_logits_match_transformers_float64(seq):
+    """transformers' Qwen3ForCausalLM with the exported config and weights (the norms' entries
+    permuted with the heads' RoPE layout), at two lengths: the same logits (RoPE angles in float32
+    there, as for Llama above: 4.2e-7 measured); and without the norms' permutation, not."""
+    ours = _ours(QWEN3)
+    config = transformers.Qwen3Config(**hf_config(QWEN3))
+    hf = transformers.Qwen3ForCausalLM(config).double().eval()
+    state = to_hf(ours.state_dict(), QWEN3)
+    hf.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, QWEN3.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
+    with torch.no_grad():
+        got, expected = ours(tokens), hf(tokens).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+        for i in range(QWEN3.n_layers):
+            state[f"model.layers.{i}.self_attn.q_norm.weight"] = ours.layers[str(i)].attention.q_norm.weight
+        hf.load_state_dict(state, strict=True)
+        assert (hf(tokens).logits - got).abs().max() > 1e-4
+
+
+def test_qwen3_config_round_trips_and_the_weights_bit_exactly():
+    from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
+
+    back = model_args_from_hf_config(hf_config(QWEN3))
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "qk_norm", "ffn_hidden_dim",
+                  "norm_eps", "rope_theta", "vocab_size"):
+        assert getattr(back, field) == getattr(QWEN3, field), field
+    sd = _ours(QWEN3).state_dict()
+    again = from_hf(to_hf(sd, QWEN3), QWEN3)
+    assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("flavor,total,non_embedding", [("8B", 8.2, 6.95), ("14B", 14.8, 13.2), ("32B", 32.8, 31.2)])
+def test_qwen3_flavors_have_the_published_sizes(flavor, total, non_embedding):
+    """The parameter counts Qwen's model cards publish (billions, as rounded there), at Qwen3's
+    vocabulary of 151,936, from the flavor table's numbers."""
+    from torchtitan_xla.models import get_model_class
+
+    with torch.device("meta"):
+        model = get_model_class("qwen3")(get_model_args("qwen3", flavor, vocab_size=151936, max_seq_len=128))
+    n = model.num_params()
+    embeddings = 2 * 151936 * model.args.dim  # untied: input and output
+    digits = len(str(non_embedding).split(".")[1])
+    assert (round(n / 1e9, 1), round((n - embeddings) / 1e9, digits)) == (total, non_embedding)
+    assert model.args.head_dim == 128 and hf_config(model.args)["intermediate_size"] == {
+        "8B": 12288, "14B": 17408, "32B": 25600}[flavor]

@@ -51,19 +51,22 @@ ONE_DEVICE = {
 MESH_RTOL = 2e-6
 # The debug model cut to 2 blocks: every sharding rule is exercised, compiles are 4x faster.
 TWO_BLOCKS = {"n_layers": 2}
+# Qwen3's debug model (per-head query/key norms, heads wider than dim / n_heads), beside Llama's.
+QWEN3 = {"qwen3": ["--model.name", "qwen3", "--training.local_batch_size", "8"]}
+QWEN3_MESH = {"qwen3_fsdp4_tp2": ["--model.name", "qwen3", *MESHES["fsdp4_tp2"]]}
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    return train_many({k: tiny_args(out, *v) for k, v in ONE_DEVICE.items()}, devices=1,
+    return train_many({k: tiny_args(out, *v) for k, v in (ONE_DEVICE | QWEN3).items()}, devices=1,
                       model_overrides=TWO_BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
     out = tmp_path_factory.mktemp("eight")
-    return train_many({k: tiny_args(out, *v) for k, v in MESHES.items()}, devices=8,
+    return train_many({k: tiny_args(out, *v) for k, v in (MESHES | QWEN3_MESH).items()}, devices=8,
                       model_overrides=TWO_BLOCKS)
 
 
@@ -74,6 +77,21 @@ def test_mesh_losses_equal_one_device(mesh, eight_devices, one_device):
     assert losses.keys() == reference.keys() == {1, 2, 3, 4, 5}
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=MESH_RTOL), (mesh, step)
+
+
+def test_qwen3_on_fsdp4_tp2_equals_one_device_with_its_norms_whole_over_tp(eight_devices, one_device):
+    """Qwen3's query/key norms act within each head: tensor parallelism splits the heads (wq's
+    rows), each head's norm weight stays whole over tp."""
+    reference, losses = one_device["qwen3"]["losses"], eight_devices["qwen3_fsdp4_tp2"]["losses"]
+    assert losses.keys() == reference.keys() == {1, 2, 3, 4, 5}
+    assert abs(reference[1] - one_device["none"]["losses"][1]) > 1e-3  # another model
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=MESH_RTOL), step
+    params = eight_devices["qwen3_fsdp4_tp2"]["params"]
+    assert params["layers.0.attention.wq.weight"]["partition_spec"] == ["tp", "fsdp"]
+    for norm in ("q_norm", "k_norm"):
+        p = params[f"layers.1.attention.{norm}.weight"]
+        assert "tp" not in p["partition_spec"] and p["actual"] == p["expected"], p
 
 
 def _expected_partition_spec(mesh: str, name: str, ndim: int):

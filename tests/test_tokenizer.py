@@ -106,7 +106,7 @@ def test_bad_tokenizer_files(tmp_path):
         build_tokenizer(str(tmp_path / "nope"))
     junk = tmp_path / "junk.model"
     junk.write_bytes(b"\x00\x01 not a model")
-    with pytest.raises(ConfigError, match="neither a tiktoken BPE file nor a sentencepiece model"):
+    with pytest.raises(ConfigError, match="neither a tiktoken BPE file, a HuggingFace tokenizer.json nor a sentencepiece model"):
         build_tokenizer(str(junk))
     bad = tmp_path / "bad.tiktoken"
     bad.write_text(f"{base64.b64encode(b'a').decode()} 0\n!!notbase64 1\n")

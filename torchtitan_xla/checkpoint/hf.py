@@ -38,10 +38,18 @@ def model_args_from_json(text: str) -> ModelArgs:
 
 
 def model_args_from_hf_config(cfg: dict) -> ModelArgs:
-    """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`) with this config computes."""
+    """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`)
+    with this config computes."""
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if (cfg.get("head_dim") or dim // heads) != dim // heads:  # transformers 5 writes null for "derived"
+    qwen3 = cfg.get("model_type") == "qwen3"
+    head_dim = cfg.get("head_dim") or dim // heads  # transformers 5 writes null for "derived"
+    if head_dim != dim // heads and not qwen3:
         raise ConfigError("config.json: head_dim != hidden_size / num_attention_heads is not supported")
+    if cfg.get("tie_word_embeddings"):
+        raise ConfigError("config.json: tie_word_embeddings = true (one matrix for the input and output "
+                          "embeddings, as Qwen3 0.6B-4B and Llama 3.2) is not supported yet")
+    if qwen3 and (cfg.get("attention_bias") or cfg.get("use_sliding_window")):
+        raise ConfigError("config.json: Qwen3 with attention_bias or use_sliding_window is not supported")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_scaling = None
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
@@ -67,7 +75,8 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      n_kv_heads=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
                      multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=multiplier,
                      norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=rope_scaling,
-                     max_seq_len=cfg.get("max_position_embeddings", 2048), **moe)  # and context_len
+                     max_seq_len=cfg.get("max_position_embeddings", 2048),  # and context_len
+                     qk_norm=qwen3, head_dim_override=head_dim if head_dim != dim // heads else None, **moe)
 
 
 # ---- files ------------------------------------------------------------------------------------

@@ -37,8 +37,9 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama2", "llama3", "mixtral"] = opt(
-        "llama3", "Model family (mixtral: Llama blocks with mixture-of-experts feed-forwards, docs/moe.md).")
+    name: Literal["llama2", "llama3", "mixtral", "qwen3"] = opt(
+        "llama3", "Model family (mixtral: Llama blocks with mixture-of-experts feed-forwards, docs/moe.md; "
+        "qwen3: Llama blocks with per-head query/key norms, docs/checkpoint.md).")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
         "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
@@ -47,7 +48,8 @@ class Model:
         "sdpa with one warning).")
     tokenizer_path: str = opt(
         "",
-        "Tokenizer file: a tiktoken BPE rank file (Llama 3) or a sentencepiece model (Llama 2). "
+        "Tokenizer file: a tiktoken BPE rank file (Llama 3), a sentencepiece model (Llama 2) or a "
+        "HuggingFace tokenizer.json (Qwen3, Llama 3.2; or the model folder holding it). "
         "Empty: the project's own small tokenizer, trained from the embedded corpus and cached.")
 
 

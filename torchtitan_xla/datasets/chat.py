@@ -13,15 +13,18 @@ both chat formats below can render); other fields of a record are ignored. Local
 checked whole when the dataset is built, so a bad line stops the run before training starts,
 with `file:line` and the problem; files behind a URL are checked as they are read.
 
-Rendering (`render`) follows Meta's reference code for the tokenizer's model family:
+Rendering (`render`) follows the reference code of the tokenizer's model family:
 - Llama 3 (tiktoken): <|begin_of_text|>, then per message <|start_header_id|> role
   <|end_header_id|> "\\n\\n" content.strip() <|eot_id|>. Special tokens are ids, never parsed from
   text: message text that looks like a special token stays plain text.
+- ChatML (a tokenizer.json with <|im_start|>, Qwen's): per message <|im_start|> role "\\n"
+  content.strip() <|im_end|> "\\n"; no BOS.
 - Llama 2 (sentencepiece): a system message is folded into the first user turn as
   "<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}"; each (user, assistant) pair is
   BOS + "[INST] {user} [/INST] {assistant} " + EOS.
-Only the assistant's tokens are trained: its content, and its closing <|eot_id|> (Llama 3) or EOS
-(Llama 2), so the model learns to stop. Headers, BOS, system and user turns are context only.
+Only the assistant's tokens are trained: its content, and its closing <|eot_id|> (Llama 3),
+<|im_end|> (ChatML) or EOS (Llama 2), so the model learns to stop. Headers, BOS, system and user
+turns are context only.
 
 Training rows (packing.ChatDataset): a conversation of n tokens gives n - 1 (input, label) pairs,
 label i = ids[i + 1], or -100 (ignored by the loss) where ids[i + 1] is not trained. Each row is
@@ -105,17 +108,13 @@ def _check_turns(messages: list[Message]) -> None:
 
 
 def chat_format(tokenizer: Tokenizer) -> str:
-    """"llama3" or "llama2": the chat format of the tokenizer's model family."""
-    from torchtitan_xla.datasets.tokenizer.sentencepiece import SentencePieceTokenizer
-    from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer
-
-    if isinstance(tokenizer, TikTokenizer):
-        return "llama3"
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        return "llama2"
-    # build_tokenizer only makes the two above; a chat format is never guessed.
-    raise TypeError(f"no chat format for a {type(tokenizer).__name__}: chat datasets need a "
-                    f"Llama 3 (tiktoken) or Llama 2 (sentencepiece) tokenizer")
+    """"llama3", "llama2" or "chatml": the chat format of the tokenizer's model family (never
+    guessed: a tokenizer.json without ChatML's or Llama 3's special tokens has none)."""
+    if tokenizer.chat_format is None:
+        raise ConfigError(f"[model] tokenizer_path: {getattr(tokenizer, 'path', '')} has neither ChatML's "
+                          f"<|im_start|> nor Llama 3's <|start_header_id|> special token: chat data "
+                          f"needs one of the chat formats (datasets/chat.py)")
+    return tokenizer.chat_format
 
 
 def pad_id(tokenizer: Tokenizer) -> int:
@@ -127,9 +126,8 @@ def pad_id(tokenizer: Tokenizer) -> int:
 def render(messages: list[Message], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """The conversation's token ids in the tokenizer's chat format, and for each id whether it is
     trained (the assistant's content and end-of-turn token)."""
-    if chat_format(tokenizer) == "llama3":
-        return _render_llama3(messages, tokenizer)
-    return _render_llama2(messages, tokenizer)
+    return {"llama3": _render_llama3, "chatml": _render_chatml,
+            "llama2": _render_llama2}[chat_format(tokenizer)](messages, tokenizer)
 
 
 def _render_llama3(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
@@ -141,6 +139,19 @@ def _render_llama3(messages: list[Message], tokenizer) -> tuple[list[int], list[
         body = [*tokenizer.encode(m["content"].strip(), bos=False, eos=False), special["<|eot_id|>"]]
         ids += header + body
         trained += [False] * len(header) + [m["role"] == "assistant"] * len(body)
+    return ids, trained
+
+
+def _render_chatml(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
+    special = tokenizer.special_tokens
+    newline = tokenizer.encode("\n", bos=False, eos=False)
+    ids: list[int] = []
+    trained: list[bool] = []
+    for m in messages:
+        header = [special["<|im_start|>"], *tokenizer.encode(m["role"], bos=False, eos=False), *newline]
+        body = [*tokenizer.encode(m["content"].strip(), bos=False, eos=False), special["<|im_end|>"]]
+        ids += header + body + newline
+        trained += [False] * len(header) + [m["role"] == "assistant"] * len(body) + [False] * len(newline)
     return ids, trained
 
 

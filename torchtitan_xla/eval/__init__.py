@@ -33,7 +33,7 @@ def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: li
     for task in tasks:
         if task.kind == "perplexity":
             documents = [tokenizer.encode(text, bos=False, eos=False) for _, text in requests(task)]
-            windows = [rolling_windows(tokens, tokenizer.bos_id, seq_len) for tokens in documents]
+            windows = [rolling_windows(tokens, tokenizer.prefix_id, seq_len) for tokens in documents]
             scored = iter(scorer([w for doc in windows for w in doc], desc=task.name))
             results = []
             for tokens, doc in zip(documents, windows):

@@ -24,8 +24,8 @@ from torchtitan_xla.losses import token_losses
 def pair_tokens(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
     """(context tokens + continuation tokens, how many at the end are the continuation), as
     lm-eval's TemplateLM.loglikelihood builds them (docs/evaluation.md)."""
-    if not context:  # lm-eval: the prefix token (BOS), not the encoding of ""
-        context_enc = [tokenizer.bos_id]
+    if not context:  # lm-eval: the prefix token (BOS, else EOS), not the encoding of ""
+        context_enc = [tokenizer.prefix_id]
         continuation_enc = tokenizer.encode(continuation, bos=False, eos=False)
     else:
         spaces = len(context) - len(context.rstrip())

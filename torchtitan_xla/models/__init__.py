@@ -2,9 +2,16 @@
 
 import dataclasses
 
-from torchtitan_xla.models.llama.args import ModelArgs, llama2_configs, llama3_configs, mixtral_configs
+from torchtitan_xla.models.llama.args import (
+    ModelArgs,
+    llama2_configs,
+    llama3_configs,
+    mixtral_configs,
+    qwen3_configs,
+)
 
-models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs}
+models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
+                 "qwen3": qwen3_configs}
 
 
 def flavors_of(name: str) -> list[str]:
@@ -32,7 +39,7 @@ def moe_overrides(moe) -> dict:
 
 def get_model_class(name: str) -> type:
     """The nn.Module class of `model.name`; every family here is the one Llama Transformer (Mixtral
-    is Llama with mixture-of-experts blocks, chosen by its ModelArgs)."""
+    is Llama with mixture-of-experts blocks, Qwen3 with query/key norms, chosen by its ModelArgs)."""
     from torchtitan_xla.models.llama.model import Transformer
 
-    return {"llama2": Transformer, "llama3": Transformer, "mixtral": Transformer}[name]
+    return {name: Transformer for name in models_config}[name]

@@ -1,4 +1,5 @@
-"""Tokenizers: Llama 3's tiktoken BPE format and Llama 2's sentencepiece, behind one interface."""
+"""Tokenizers: Llama 3's tiktoken BPE format, Llama 2's sentencepiece and HuggingFace's
+tokenizer.json (Qwen3, Llama 3.2), behind one interface."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _looks_like_tiktoken(path: Path) -> bool:
 
 
 def build_tokenizer(tokenizer_path: str, model: str = "") -> Tokenizer:
-    """The tokenizer at `tokenizer_path`, its format detected from the file. An empty path gives
+    """The tokenizer at `tokenizer_path` (a file, or a HuggingFace model folder holding a
+    tokenizer.json), its format detected from the file. An empty path gives
     the project's debug tokenizer (trained from the embedded corpus, cached); "llama3" gives
     Meta's Llama 3 tokenizer from the llama-models package, when that is installed. A missing
     file's error says where `model`'s tokenizer comes from."""
@@ -29,6 +31,8 @@ def build_tokenizer(tokenizer_path: str, model: str = "") -> Tokenizer:
 
         tokenizer_path = str(default_tokenizer_path())
     path = Path(tokenizer_path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():  # a HuggingFace model folder
+        path = path / "tokenizer.json"
     if not path.is_file() and tokenizer_path == LLAMA3:
         path = find_llama3_tokenizer()
     if not path.is_file():
@@ -37,6 +41,10 @@ def build_tokenizer(tokenizer_path: str, model: str = "") -> Tokenizer:
         hint = where_to_get(model, tokenizer_path)
         raise ConfigError(f"[model] tokenizer_path: file not found: {tokenizer_path}"
                           + (f"; {hint}" if hint else ""))
+    from torchtitan_xla.datasets.tokenizer.hf import HFTokenizer, is_tokenizer_json
+
+    if is_tokenizer_json(path):
+        return HFTokenizer(str(path))
     if _looks_like_tiktoken(path):
         from torchtitan_xla.datasets.tokenizer.tiktoken import TikTokenizer
 

@@ -7,8 +7,15 @@ from abc import ABC, abstractmethod
 
 class Tokenizer(ABC):
     n_words: int  # vocabulary size including special tokens; the model's vocab_size
-    bos_id: int
+    bos_id: int  # -1 for a family without one (Qwen)
     eos_id: int
+    chat_format: str | None = None  # datasets/chat.py: "llama3", "llama2" or "chatml"
+
+    @property
+    def prefix_id(self) -> int:
+        """What an evaluation's context starts with: BOS, or EOS where there is none (lm-eval's
+        prefix token)."""
+        return self.bos_id if self.bos_id >= 0 else self.eos_id
 
     @abstractmethod
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:

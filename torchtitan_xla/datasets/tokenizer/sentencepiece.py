@@ -7,6 +7,7 @@ from torchtitan_xla.errors import ConfigError, first_line
 
 
 class SentencePieceTokenizer(Tokenizer):
+    chat_format = "llama2"
     def __init__(self, path: str):
         import sentencepiece as spm
 
@@ -15,8 +16,8 @@ class SentencePieceTokenizer(Tokenizer):
             self.sp = spm.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:
             raise ConfigError(
-                f"[model] tokenizer_path: {path} is neither a tiktoken BPE file nor a "
-                f"sentencepiece model ({first_line(e, typed=False)})") from None
+                f"[model] tokenizer_path: {path} is neither a tiktoken BPE file, a HuggingFace "
+                f"tokenizer.json nor a sentencepiece model ({first_line(e, typed=False)})") from None
         self.n_words = self.sp.vocab_size()
         self.bos_id = self.sp.bos_id()
         self.eos_id = self.sp.eos_id()

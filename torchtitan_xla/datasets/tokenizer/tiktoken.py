@@ -62,6 +62,7 @@ def read_ranks(path: str) -> dict[bytes, int]:
 
 
 class TikTokenizer(Tokenizer):
+    chat_format = "llama3"
     # tiktoken's Rust core slows down badly on very long inputs and runs of one character
     # class; encode in pieces that respect both limits (same limits as Meta's tokenizer).
     MAX_ENCODE_CHARS = 400_000

@@ -1,5 +1,5 @@
-"""Llama's and Mixtral's hyperparameters and their published flavors; importable without torch (the
-launcher and config validation read them before XLA starts)."""
+"""Llama's, Mixtral's and Qwen3's hyperparameters and their published flavors; importable without
+torch (the launcher and config validation read them before XLA starts)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ class ModelArgs:
     context_len: int | None = None
     # Scale the init of each block's output projections by its depth (torchtitan's default).
     depth_init: bool = True
+    # Qwen3: each head's queries and keys RMS-normalised before RoPE, and a head size of its own
+    # (None: dim // n_heads).
+    qk_norm: bool = False
+    head_dim_override: int | None = None
     # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
     num_experts: int = 0  # 0: dense SwiGLU in every block
     top_k: int = 2  # experts per token; their router probabilities are renormalised to sum 1
@@ -62,7 +66,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -127,4 +131,20 @@ mixtral_configs = {
     "8x22B": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, multiple_of=16384, rope_theta=1e6,
                        norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=16384, max_seq_len=65536,
                        aux_loss_weight=0.001),
+}
+
+# Qwen3 (Alibaba, 2025): Llama's block with per-head query/key RMSNorm, 128-wide heads whatever the
+# width, grouped-query attention and rope_theta 1e6; the numbers of the checkpoints' config.json
+# (intermediate_size is the FFN size: multiple_of rounds Llama's 8/3 dim up to exactly it). Context
+# 40960 (32768 trained, as published). The 0.6B-4B flavors tie their embeddings (not yet here).
+# The debug model's heads (32) are not dim / n_heads (16), as Qwen3's are not.
+qwen3_configs = {
+    "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=32, qk_norm=True,
+                            multiple_of=768, rope_theta=1e6, norm_eps=1e-6),
+    "8B": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim_override=128, qk_norm=True,
+                    multiple_of=12288, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960),
+    "14B": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim_override=128, qk_norm=True,
+                     multiple_of=17408, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960),
+    "32B": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim_override=128, qk_norm=True,
+                     multiple_of=25600, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960),
 }

@@ -1,9 +1,10 @@
 """Llama 2 and Llama 3 / 3.1 in one file: plain PyTorch, no parallelism code. With
 `ModelArgs.num_experts` it is Mixtral: some or all blocks have a mixture of experts (moe.py) in
-place of the SwiGLU.
+place of the SwiGLU. With `ModelArgs.qk_norm` (and its own head size) it is Qwen3.
 
 Parameter names follow Meta's checkpoints (and torchtitan): `tok_embeddings`, `layers.N.attention.
-wq|wk|wv|wo`, `layers.N.feed_forward.w1|w2|w3`, `layers.N.attention_norm|ffn_norm`, `norm`, `output`;
+wq|wk|wv|wo` (Qwen3: and `q_norm|k_norm`), `layers.N.feed_forward.w1|w2|w3`,
+`layers.N.attention_norm|ffn_norm`, `norm`, `output`;
 a mixture of experts is the block's `feed_forward` too: `layers.N.feed_forward.router.weight` and
 the stacked experts `layers.N.feed_forward.w1|w2|w3`.
 Parallelism, activation checkpointing and scan are applied from outside by module name
@@ -127,6 +128,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
+        if args.qk_norm:  # Qwen3: over each head's vector, shared by the heads
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,6 +138,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
         k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
@@ -145,6 +151,9 @@ class Attention(nn.Module):
         for w in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(w.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        if hasattr(self, "q_norm"):
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
 
 class FeedForward(nn.Module):

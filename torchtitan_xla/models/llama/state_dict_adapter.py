@@ -1,9 +1,10 @@
-"""Llama and Mixtral weights between this project's (Meta's) names and layout and HuggingFace
-`transformers`'.
+"""Llama, Mixtral and Qwen3 weights between this project's (Meta's) names and layout and
+HuggingFace `transformers`'.
 
 Two differences: the names, and RoPE's layout. Meta rotates interleaved pairs (x0,x1),(x2,x3)...;
-HF rotates the first half of each head against the second ("rotate_half"), in Llama and Mixtral
-alike. The rows of wq and wk are permuted so that both compute the same attention.
+HF rotates the first half of each head against the second ("rotate_half"), in Llama, Mixtral and
+Qwen3 alike. The rows of wq and wk are permuted so that both compute the same attention, and so
+are Qwen3's per-head query/key norm weights (one head's worth of entries, in the same order).
 
 Mixture-of-experts blocks are written as Mixtral's checkpoints hold them and as transformers 5's
 MixtralForCausalLM.save_pretrained writes them (from_pretrained fuses them on load): one tensor per
@@ -32,6 +33,8 @@ _LAYER_MAP = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 _TOP_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -41,13 +44,13 @@ _TOP_MAP = {
 
 
 def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows, cols = w.view(w.shape[0], -1).shape  # a norm's vector as one column
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows, cols = w.view(w.shape[0], -1).shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 # Ours (stacked over experts) -> the per-expert HF name, with {} for the expert's index.
@@ -94,6 +97,8 @@ def _permute_for(name: str, args: ModelArgs):
         return args.n_heads
     if name.endswith("attention.wk.weight"):
         return args.kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 
@@ -148,10 +153,14 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 
 def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None = None,
               dtype: str = "float32") -> dict[str, Any]:
-    """The `config.json` with which `LlamaForCausalLM`, or with experts `MixtralForCausalLM`, computes
+    """The `config.json` with which `LlamaForCausalLM`, with experts `MixtralForCausalLM`, with
+    query/key norms `Qwen3ForCausalLM`, computes
     what our model computes, and which describes it as trained: its context length (the flavor's,
     or the positions training reached beyond it) and, for Mixtral, the load-balancing loss's weight."""
     moe = args.num_experts > 0
+    if moe and args.qk_norm:
+        raise ValueError("export of Qwen3's mixture of experts (Qwen3MoeForCausalLM) is not "
+                         "written yet: export needs a dense Qwen3 or Mixtral")
     if moe and args.moe_every != 1:
         # Qwen2-MoE and Qwen3-MoE interleave dense and MoE blocks (decoder_sparse_step), but with
         # q/k/v biases and a shared expert, or q/k norms: neither computes this model.
@@ -191,6 +200,10 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
             "output_router_logits": args.aux_loss_weight > 0,
             "router_jitter_noise": 0.0,
         })
+    elif args.qk_norm:
+        cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+                    "sliding_window": None, "max_window_layers": args.n_layers})
     else:
         cfg.update({"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
     cfg["torch_dtype"] = dtype
