@@ -214,17 +214,64 @@ def test_qwen3_config_round_trips_and_the_weights_bit_exactly():
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
 
 
-@pytest.mark.parametrize("flavor,total,non_embedding", [("8B", 8.2, 6.95), ("14B", 14.8, 13.2), ("32B", 32.8, 31.2)])
-def test_qwen3_flavors_have_the_published_sizes(flavor, total, non_embedding):
-    """The parameter counts Qwen's model cards publish (billions, as rounded there), at Qwen3's
-    vocabulary of 151,936, from the flavor table's numbers."""
+# (family, flavor, vocabulary, total and non-embedding parameters in billions as the model cards
+# round them, FFN size of the checkpoints' config.json)
+PUBLISHED = [("qwen3", "0.6B", 151936, 0.6, 0.44, 3072), ("qwen3", "1.7B", 151936, 1.7, 1.4, 6144),
+             ("qwen3", "4B", 151936, 4.0, 3.6, 9728), ("qwen3", "8B", 151936, 8.2, 6.95, 12288),
+             ("qwen3", "14B", 151936, 14.8, 13.2, 17408), ("qwen3", "32B", 151936, 32.8, 31.2, 25600),
+             ("llama3", "1B", 128256, 1.24, None, 8192), ("llama3", "3B", 128256, 3.21, None, 8192)]
+
+
+@pytest.mark.parametrize("family,flavor,vocab,total,non_embedding,ffn", PUBLISHED, ids=[p[1] for p in PUBLISHED])
+def test_new_flavors_have_the_published_sizes(family, flavor, vocab, total, non_embedding, ffn):
+    """Qwen3's and Llama 3.2's parameter counts as their model cards publish them, from the flavor
+    table's numbers; a tied flavor counts its one embedding matrix once."""
     from torchtitan_xla.models import get_model_class
 
     with torch.device("meta"):
-        model = get_model_class("qwen3")(get_model_args("qwen3", flavor, vocab_size=151936, max_seq_len=128))
+        model = get_model_class(family)(get_model_args(family, flavor, vocab_size=vocab, max_seq_len=128))
     n = model.num_params()
-    embeddings = 2 * 151936 * model.args.dim  # untied: input and output
-    digits = len(str(non_embedding).split(".")[1])
-    assert (round(n / 1e9, 1), round((n - embeddings) / 1e9, digits)) == (total, non_embedding)
-    assert model.args.head_dim == 128 and hf_config(model.args)["intermediate_size"] == {
-        "8B": 12288, "14B": 17408, "32B": 25600}[flavor]
+    tied = model.args.tie_embeddings
+    assert tied == (flavor in ("0.6B", "1.7B", "4B", "1B", "3B"))
+    embeddings = (1 if tied else 2) * vocab * model.args.dim
+
+    def billions(x, like):
+        return round(x / 1e9, len(str(like).split(".")[1]))
+
+    assert billions(n, total) == total
+    if non_embedding is not None:
+        assert billions(n - embeddings, non_embedding) == non_embedding
+    assert hf_config(model.args)["intermediate_size"] == ffn
+
+
+# Tied embeddings (Llama 3.2 and Qwen3's small flavors): Llama 3.2's scaled RoPE, and Qwen3.
+TIED = {"llama3.2": dataclasses.replace(CASES["llama3.1"], tie_embeddings=True),
+        "qwen3": dataclasses.replace(QWEN3, tie_embeddings=True)}
+
+
+@pytest.mark.parametrize("case", TIED)
+def test_tied_embeddings_are_one_parameter_and_match_transformers_float64(case):
+    """One Parameter for the embedding and the output projection, still one after `to_empty` (how
+    train.py materialises the model); transformers' model with tie_word_embeddings and the export
+    (no lm_head) gives the same logits; import and export round-trip bit-exactly."""
+    args = TIED[case]
+    with torch.device("meta"):
+        meta = Transformer(args)
+    meta.to_empty(device="cpu")
+    assert meta.output.weight is meta.tok_embeddings.weight
+    ours = _ours(args)
+    names = [n for n, _ in ours.named_parameters()]
+    assert "output.weight" not in names and "output.weight" not in ours.state_dict()
+    state = to_hf(ours.state_dict(), args)
+    assert "lm_head.weight" not in state and hf_config(args)["tie_word_embeddings"] is True
+    config_class, model_class = ((transformers.Qwen3Config, transformers.Qwen3ForCausalLM) if case == "qwen3"
+                                 else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    hf = model_class(config_class(**hf_config(args))).double().eval()
+    hf.load_state_dict(state, strict=False)  # lm_head is the embedding's
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=0, atol=2e-6)
+    back = from_hf({**state, "lm_head.weight": state["model.embed_tokens.weight"]}, args)
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())

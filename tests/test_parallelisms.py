@@ -81,7 +81,7 @@ def test_mesh_losses_equal_one_device(mesh, eight_devices, one_device):
 
 def test_qwen3_on_fsdp4_tp2_equals_one_device_with_its_norms_whole_over_tp(eight_devices, one_device):
     """Qwen3's query/key norms act within each head: tensor parallelism splits the heads (wq's
-    rows), each head's norm weight stays whole over tp."""
+    rows), each head's norm weight stays whole over tp; the tied embedding stays one parameter."""
     reference, losses = one_device["qwen3"]["losses"], eight_devices["qwen3_fsdp4_tp2"]["losses"]
     assert losses.keys() == reference.keys() == {1, 2, 3, 4, 5}
     assert abs(reference[1] - one_device["none"]["losses"][1]) > 1e-3  # another model
@@ -89,6 +89,9 @@ def test_qwen3_on_fsdp4_tp2_equals_one_device_with_its_norms_whole_over_tp(eight
         assert losses[step] == pytest.approx(loss, rel=MESH_RTOL), step
     params = eight_devices["qwen3_fsdp4_tp2"]["params"]
     assert params["layers.0.attention.wq.weight"]["partition_spec"] == ["tp", "fsdp"]
+    # The debug model ties its embeddings: one matrix, sharded once, is the output projection too.
+    assert "output.weight" not in params
+    assert params["tok_embeddings.weight"]["partition_spec"] == ["fsdp", "tp"]
     for norm in ("q_norm", "k_norm"):
         p = params[f"layers.1.attention.{norm}.weight"]
         assert "tp" not in p["partition_spec"] and p["actual"] == p["expected"], p

@@ -45,9 +45,6 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
     head_dim = cfg.get("head_dim") or dim // heads  # transformers 5 writes null for "derived"
     if head_dim != dim // heads and not qwen3:
         raise ConfigError("config.json: head_dim != hidden_size / num_attention_heads is not supported")
-    if cfg.get("tie_word_embeddings"):
-        raise ConfigError("config.json: tie_word_embeddings = true (one matrix for the input and output "
-                          "embeddings, as Qwen3 0.6B-4B and Llama 3.2) is not supported yet")
     if qwen3 and (cfg.get("attention_bias") or cfg.get("use_sliding_window")):
         raise ConfigError("config.json: Qwen3 with attention_bias or use_sliding_window is not supported")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -76,7 +73,8 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      multiple_of=cfg["intermediate_size"], ffn_dim_multiplier=multiplier,
                      norm_eps=cfg["rms_norm_eps"], rope_theta=theta, rope_scaling=rope_scaling,
                      max_seq_len=cfg.get("max_position_embeddings", 2048),  # and context_len
-                     qk_norm=qwen3, head_dim_override=head_dim if head_dim != dim // heads else None, **moe)
+                     qk_norm=qwen3, head_dim_override=head_dim if head_dim != dim // heads else None,
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings")), **moe)
 
 
 # ---- files ------------------------------------------------------------------------------------

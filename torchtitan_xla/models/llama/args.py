@@ -38,6 +38,8 @@ class ModelArgs:
     # (None: dim // n_heads).
     qk_norm: bool = False
     head_dim_override: int | None = None
+    # One matrix for the input embedding and the output projection (Qwen3 0.6B-4B, Llama 3.2).
+    tie_embeddings: bool = False
     # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
     num_experts: int = 0  # 0: dense SwiGLU in every block
     top_k: int = 2  # experts per token; their router probabilities are renormalised to sum 1
@@ -110,6 +112,13 @@ llama3_configs = {
                      multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling(), max_seq_len=131072),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
                       multiple_of=4096, rope_theta=500000, rope_scaling=RopeScaling(), max_seq_len=131072),
+    # Llama 3.2: tied embeddings, RoPE scaled by 32.
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+                    rope_theta=500000, rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072,
+                    tie_embeddings=True),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+                    rope_theta=500000, rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072,
+                    tie_embeddings=True),
 }
 
 # Mixtral (Mistral AI, 2024): Mistral 7B's attention with 8 SwiGLU experts, top-2, in every block.
@@ -136,15 +145,21 @@ mixtral_configs = {
 # Qwen3 (Alibaba, 2025): Llama's block with per-head query/key RMSNorm, 128-wide heads whatever the
 # width, grouped-query attention and rope_theta 1e6; the numbers of the checkpoints' config.json
 # (intermediate_size is the FFN size: multiple_of rounds Llama's 8/3 dim up to exactly it). Context
-# 40960 (32768 trained, as published). The 0.6B-4B flavors tie their embeddings (not yet here).
-# The debug model's heads (32) are not dim / n_heads (16), as Qwen3's are not.
-qwen3_configs = {
-    "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim_override=32, qk_norm=True,
-                            multiple_of=768, rope_theta=1e6, norm_eps=1e-6),
-    "8B": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim_override=128, qk_norm=True,
-                    multiple_of=12288, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960),
-    "14B": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim_override=128, qk_norm=True,
-                     multiple_of=17408, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960),
-    "32B": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim_override=128, qk_norm=True,
-                     multiple_of=25600, rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960),
+# 40960 (32768 trained, as published). The 0.6B-4B flavors tie their embeddings, as does the debug
+# model, whose heads (32) are not dim / n_heads (16), as Qwen3's are not.
+def _qwen3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, *, tied: bool = False,
+           head_dim: int = 128, context: int = 40960) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, multiple_of=ffn,
+                     head_dim_override=head_dim, qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
+                     max_seq_len=context, tie_embeddings=tied)
+
+
+qwen3_configs = {  # dim, layers, heads, kv heads, FFN size
+    "debugmodel": _qwen3(256, 4, 8, 4, 768, tied=True, head_dim=32, context=2048),
+    "0.6B": _qwen3(1024, 28, 16, 8, 3072, tied=True),
+    "1.7B": _qwen3(2048, 28, 16, 8, 6144, tied=True),
+    "4B": _qwen3(2560, 36, 32, 8, 9728, tied=True),
+    "8B": _qwen3(4096, 36, 32, 8, 12288),
+    "14B": _qwen3(5120, 40, 40, 8, 17408),
+    "32B": _qwen3(5120, 64, 64, 8, 25600),
 }

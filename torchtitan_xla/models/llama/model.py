@@ -204,6 +204,24 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.init_std)
 
 
+class TiedOutput(nn.Module):
+    """The output projection through the input embedding's matrix (`tie_embeddings`): one
+    parameter, `tok_embeddings.weight`, read at each call, so whatever moves, shards or loads the
+    embedding applies here too (a second reference to the Parameter would be left behind by
+    `to_empty`, which gives each module a new one)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self._source = [embedding]  # in a list: not a submodule, so its weight is listed once
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._source[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class Layers(nn.ModuleDict):
     """The transformer blocks, keyed "0".."n-1" (names stay stable whatever wraps the blocks)."""
 
@@ -226,7 +244,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = Layers({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = (TiedOutput(self.tok_embeddings) if args.tie_embeddings
+                       else nn.Linear(args.dim, args.vocab_size, bias=False))
         # Derived from args, so not saved in checkpoints; (re)computed by init_weights().
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos.float(), persistent=False)
@@ -264,9 +283,13 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.init_weights()
         self.norm.reset_parameters()
+        # A tied matrix gets the output's init (the last one, as torchtitan).
         std = self.args.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters, once each; without the embedding's lookup table, unless it is also the output
+        projection (tied), whose matmul it is."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+        tied = isinstance(self.output, TiedOutput)
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding and not tied else n

@@ -134,7 +134,8 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     moe: dict[str, dict[str, torch.Tensor]] = {}  # gathered per layer, then stacked over experts
     for name, t in hf_state_dict.items():
         if name in top:
-            out[top[name]] = t
+            if not (name == "lm_head.weight" and args.tie_embeddings):  # tied: the embedding's
+                out[top[name]] = t
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         if m and m.group(2).startswith(("block_sparse_moe.", "mlp.gate.", "mlp.experts.")):
@@ -202,10 +203,10 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
         })
     elif args.qk_norm:
         cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
-                    "sliding_window": None, "max_window_layers": args.n_layers})
+                    "tie_word_embeddings": args.tie_embeddings, "attention_bias": False,
+                    "use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers})
     else:
-        cfg.update({"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
+        cfg.update({"tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False})
     cfg["torch_dtype"] = dtype
     if args.rope_scaling is not None:
         s = args.rope_scaling
