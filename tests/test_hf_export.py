@@ -122,3 +122,26 @@ def test_flavor_exports_carry_the_published_context_and_rope():
         "max_position_embeddings"] == 4096
     long = hf_config(get_model_args("llama3", "debugmodel", vocab_size=300, max_seq_len=4096))
     assert long["max_position_embeddings"] == 4096  # trained on positions past the flavor's 2048
+
+
+def test_a_qwen3_export_is_a_tied_qwen3_with_our_logits(tmp_path):
+    """Qwen3's debug model (query/key norms, tied embeddings) trained 3 steps and exported after the
+    last: AutoModelForCausalLM loads a Qwen3ForCausalLM whose lm_head is its embedding, with the
+    checkpoint's logits."""
+    transformers = pytest.importorskip("transformers")
+    from torchtitan_xla.models.llama import Transformer
+
+    run(tmp_path / "q", "--model.name", "qwen3", "--training.steps", "3", "--checkpoint.last_save_in_hf")
+    hf_dir = tmp_path / "q" / "checkpoint" / "step-3-hf"
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert (config["architectures"], config["tie_word_embeddings"], config["head_dim"]) == (
+        ["Qwen3ForCausalLM"], True, 32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    state, model_args = read_model_state(tmp_path / "q" / "checkpoint" / "step-3")
+    assert model_args.tie_embeddings and "output.weight" not in state
+    ours = Transformer(model_args)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, model_args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=0, atol=1e-4)  # float32, as above
