@@ -37,6 +37,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     import torch
 
     from torchtitan_xla.checkpoint import CheckpointManager, Preemption, TrainState
+    from torchtitan_xla.checkpoint.hf import match_initial_hf_weights
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.errors import ConfigError
     from torchtitan_xla.eval import evaluate, parse_task, write_results
@@ -116,6 +117,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
                                 **{"vocab_size": tokenizer.n_words, "max_seq_len": training.seq_len,
                                    **moe_overrides(job_config.moe), **(model_overrides or {})})
+    # Fine-tuning from HF weights: the same architecture, checked now, and their vocabulary.
+    model_args = match_initial_hf_weights(job_config.checkpoint, model_args,
+                                          f"{job_config.model.name} {job_config.model.flavor}")
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim, model_args.num_experts)

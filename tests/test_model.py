@@ -219,14 +219,19 @@ def test_qwen3_config_round_trips_and_the_weights_bit_exactly():
 PUBLISHED = [("qwen3", "0.6B", 151936, 0.6, 0.44, 3072), ("qwen3", "1.7B", 151936, 1.7, 1.4, 6144),
              ("qwen3", "4B", 151936, 4.0, 3.6, 9728), ("qwen3", "8B", 151936, 8.2, 6.95, 12288),
              ("qwen3", "14B", 151936, 14.8, 13.2, 17408), ("qwen3", "32B", 151936, 32.8, 31.2, 25600),
+             ("qwen3", "30B-A3B", 151936, 30.5, 29.9, 6144), ("qwen3", "235B-A22B", 151936, 235, 234, 12288),
              ("llama3", "1B", 128256, 1.24, None, 8192), ("llama3", "3B", 128256, 3.21, None, 8192)]
+# The MoE flavors' activated parameters (a token runs through top_k of the experts), as published.
+ACTIVE = {"30B-A3B": 3.3, "235B-A22B": 22}
 
 
 @pytest.mark.parametrize("family,flavor,vocab,total,non_embedding,ffn", PUBLISHED, ids=[p[1] for p in PUBLISHED])
 def test_new_flavors_have_the_published_sizes(family, flavor, vocab, total, non_embedding, ffn):
     """Qwen3's and Llama 3.2's parameter counts as their model cards publish them, from the flavor
-    table's numbers; a tied flavor counts its one embedding matrix once."""
+    table's numbers; a tied flavor counts its one embedding matrix once; an MoE flavor's activated
+    parameters too."""
     from torchtitan_xla.models import get_model_class
+    from torchtitan_xla.models.llama.moe import inactive_expert_params
 
     with torch.device("meta"):
         model = get_model_class(family)(get_model_args(family, flavor, vocab_size=vocab, max_seq_len=128))
@@ -236,12 +241,18 @@ def test_new_flavors_have_the_published_sizes(family, flavor, vocab, total, non_
     embeddings = (1 if tied else 2) * vocab * model.args.dim
 
     def billions(x, like):
-        return round(x / 1e9, len(str(like).split(".")[1]))
+        return round(x / 1e9, len(str(like).partition(".")[2]))
 
     assert billions(n, total) == total
     if non_embedding is not None:
         assert billions(n - embeddings, non_embedding) == non_embedding
     assert hf_config(model.args)["intermediate_size"] == ffn
+    if flavor in ACTIVE:
+        # The cards truncate here: 3.35B activated is "3.3B", 22.19B "22B".
+        digits = len(str(ACTIVE[flavor]).partition(".")[2])
+        active = (n - inactive_expert_params(model)) / 1e9
+        assert int(active * 10**digits) / 10**digits == ACTIVE[flavor]
+        assert (model.args.num_experts, model.args.top_k) == (128, 8)
 
 
 # Tied embeddings (Llama 3.2 and Qwen3's small flavors): Llama 3.2's scaled RoPE, and Qwen3.

@@ -27,6 +27,10 @@ def _mixtral(seed: int = 0, **overrides) -> Transformer:
     """The Mixtral debug model, 2 blocks, float64, norms and router made to matter."""
     args = get_model_args("mixtral", "debugmodel", **{"vocab_size": 300, "max_seq_len": 32, "n_layers": 2,
                                                       **overrides})
+    return _random_moe(args, seed)
+
+
+def _random_moe(args, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(args).double()
     model.init_weights()
@@ -209,6 +213,56 @@ def test_the_training_export_has_the_runs_aux_weight_and_the_flavors_context(tmp
         # float32 on both sides: summation order and RoPE angle precision (measured 1.2e-6).
         torch.testing.assert_close(ours(tokens), out.logits, rtol=0, atol=1e-5)
     assert out.aux_loss is not None  # the config's output_router_logits: transformers computes it
+
+
+QWEN3_MOE_CASES = [(1, 32), (2, 17)]  # (moe_every, sequence length)
+
+
+@pytest.mark.parametrize("moe_every,seq", QWEN3_MOE_CASES, ids=["every_block_32", "every_other_17"])
+def test_qwen3_moe_matches_transformers_float64(moe_every, seq, tmp_path, monkeypatch):
+    """Qwen3's MoE debug model (8 experts, top-4, query/key norms), exported with export_hf: the
+    folder is what Qwen3MoeForCausalLM.save_pretrained writes (per-expert gate/up/down_proj under
+    mlp.experts), from_pretrained computes our logits (dropless, renormalised top-k, float64), with
+    experts in every block and, as decoder_sparse_step, in every other; import is bit-exact."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from torchtitan_xla.checkpoint.hf import export_hf, model_args_from_hf_config, read_hf_state_dict
+    from torchtitan_xla.models.llama.state_dict_adapter import from_hf
+
+    args = get_model_args("qwen3", "debugmodel_moe", vocab_size=300, max_seq_len=32, n_layers=2,
+                          moe_every=moe_every)
+    model = _random_moe(args)
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    export_hf(ours, args, tmp_path / "ours", dtype=torch.float64)
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3MoeForCausalLM"], "qwen3_moe")
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+            config["intermediate_size"], config["decoder_sparse_step"], config["norm_topk_prob"]) == (
+        8, 4, 192, 768, moe_every, True)
+    assert model_args_from_hf_config(config) == get_model_args("qwen3", "debugmodel_moe", vocab_size=300,
+                                                               n_layers=2, moe_every=moe_every)
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeRMSNorm, "forward", _rmsnorm_in_input_dtype)
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", _router_in_input_dtype)
+    hf = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float64, attn_implementation="sdpa",
+                                             experts_implementation="eager").eval()
+    _hf_rope(model, hf)
+    hf.save_pretrained(str(tmp_path / "theirs"))
+    exported, saved = load_file(str(tmp_path / "ours" / "model.safetensors")), read_hf_state_dict(tmp_path / "theirs")
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in saved.items()}
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
+    for state in (read_hf_state_dict(tmp_path / "ours"), hf.state_dict()):  # on disk; fused in memory
+        back = from_hf(state, args)
+        assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+
+    tokens = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
+    with torch.no_grad():
+        got, expected = model(tokens), hf(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    moe_blocks = [layer.feed_forward for layer in model.layers.values() if isinstance(layer.feed_forward, MoE)]
+    assert len(moe_blocks) == 2 // moe_every and all((m.expert_load[0] > 0).sum() > 4 for m in moe_blocks)
 
 
 # ---- router losses --------------------------------------------------------------------------------
@@ -449,6 +503,25 @@ def test_mixtral_8x7b_config_json_gives_the_8x7b_flavor():
     with pytest.raises(ConfigError, match="sliding_window"):
         model_args_from_hf_config({**cfg, "sliding_window": 4096})
 
+
+
+def test_qwen3_moe_config_jsons_give_the_moe_flavors():
+    """Qwen3-30B-A3B's and 235B-A22B's config.json (their published values, as transformers 5
+    writes them) read as our flavors; a router without renormalised top-k is refused in one line."""
+    from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
+    from torchtitan_xla.errors import ConfigError
+
+    common = dict(vocab_size=151936, num_key_value_heads=4, head_dim=128, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, router_aux_loss_coef=0.001)
+    small = transformers.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, **common).to_dict()
+    big = transformers.Qwen3MoeConfig(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                                      num_hidden_layers=94, num_attention_heads=64, **common).to_dict()
+    for cfg, flavor in ((small, "30B-A3B"), (big, "235B-A22B")):
+        assert model_args_from_hf_config(cfg) == get_model_args("qwen3", flavor, vocab_size=151936)
+    with pytest.raises(ConfigError, match="^config.json: Qwen3-MoE without norm_topk_prob"):
+        model_args_from_hf_config({**small, "norm_topk_prob": False})
 
 
 def test_moe_every_two_puts_experts_in_every_other_block():

@@ -17,6 +17,8 @@ MESH_RTOL = 2e-6
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 # Packed conversations (padding at row ends, routed to no expert) with a capacity that drops.
 CHAT = ["--training.dataset", "python_docs_chat", "--moe.capacity_factor", "1.25"]
+# Qwen3's MoE debug model: 8 experts, top-4, query/key norms, heads wider than dim / n_heads.
+QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +26,9 @@ def one_device(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe1")
     runs = {"dropless": [], "grouped_mm": ["--moe.grouped_mm"],
             "grouped_mm_bf16": ["--moe.grouped_mm", *BF16], "chat": CHAT}
-    return train_many({k: tiny_args(out, *MIXTRAL, "--training.local_batch_size", "8", *v)
-                       for k, v in runs.items()}, devices=1, model_overrides=TWO_BLOCKS)
+    runs = {k: [*MIXTRAL, *v] for k, v in runs.items()} | {"qwen3": QWEN3_MOE}
+    return train_many({k: tiny_args(out, "--training.local_batch_size", "8", *v) for k, v in runs.items()},
+                      devices=1, model_overrides=TWO_BLOCKS)
 
 
 # Each mesh on 8 devices with the global batch of 8 sequences: local batch x data-parallel ranks
@@ -48,7 +51,9 @@ MESHES = {
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe8")
-    return train_many({k: tiny_args(out, *MIXTRAL, *v) for k, v in MESHES.items()}, devices=8,
+    runs = {k: [*MIXTRAL, *v] for k, v in MESHES.items()} | {
+        f"qwen3_{k}": [*QWEN3_MOE, *MESHES[k]] for k in ("fsdp4_tp2", "ep4_fsdp2")}
+    return train_many({k: tiny_args(out, *v) for k, v in runs.items()}, devices=8,
                       model_overrides=TWO_BLOCKS, xla_dump=out / "xla")
 
 
@@ -71,6 +76,22 @@ def test_moe_mesh_losses_equal_one_device(mesh, one_device, eight_devices):
     for step, loss in reference.items():
         assert run["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), (mesh, step)
     assert run["compiles"] <= 2  # init and one step: nothing recompiles
+
+
+@pytest.mark.parametrize("mesh", ["fsdp4_tp2", "ep4_fsdp2"])
+def test_qwen3_moe_on_a_mesh_equals_one_device_with_its_experts_split(mesh, one_device, eight_devices):
+    """Qwen3's MoE debug model on fsdp=4 x tp=2 and ep=4 x fsdp=2 gives the 1-device losses; its
+    experts are split as Mixtral's, its query/key norms stay whole over tp."""
+    reference, run = one_device["qwen3"]["losses"], eight_devices[f"qwen3_{mesh}"]
+    assert reference.keys() == {1, 2, 3, 4, 5}
+    for step, loss in reference.items():
+        assert run["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
+    assert run["compiles"] <= 2
+    params = run["params"]
+    w1 = params["layers.1.feed_forward.w1"]  # [8, 192, 256]: FSDP takes the largest dimension left
+    assert w1["partition_spec"] == ([None, "tp", "fsdp"] if "tp" in mesh else ["ep", None, "fsdp"])
+    assert w1["actual"] == w1["expected"]
+    assert "tp" not in params["layers.1.attention.q_norm.weight"]["partition_spec"]
 
 
 FSDP_EP = ["fsdp", "ep"]  # dense weights are sharded over fsdp x ep
@@ -184,7 +205,8 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--moe.top_k", "2"], "command line: --moe.top_k = 2: the model llama3 debugmodel is dense (no "
-                           "experts); set [moe] num_experts, or use a mixtral flavor"),
+                           "experts); set [moe] num_experts, or use an MoE flavor (mixtral, qwen3 "
+                           "debugmodel_moe, 30B-A3B, 235B-A22B)"),
     ([*MIXTRAL, "--moe.top_k", "9"], "command line: --moe.top_k = 9: top_k (9) cannot exceed "
                                      "num_experts (8) of mixtral debugmodel"),
     ([*MIXTRAL, "--float8.enable_float8_linear"], "command line: --float8.enable_float8_linear = true: "
@@ -204,7 +226,11 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
     ([*MIXTRAL, "--lora.rank", "8"], "command line: --lora.rank = 8: LoRA adapters for "
                                      "mixture-of-experts models (mixtral debugmodel) are not supported yet"),
     (["--moe.num_experts", "4", "--moe.moe_every", "2", "--checkpoint.last_save_in_hf"],
-     "command line: --checkpoint.last_save_in_hf = true: a model with MoE in one block of every 2"),
+     "command line: --checkpoint.last_save_in_hf = true: a Llama model with MoE in one block of every 2"),
+    ([*QWEN3_MOE, "--lora.rank", "8"], "command line: --lora.rank = 8: LoRA adapters for "
+                                       "mixture-of-experts models (qwen3 debugmodel_moe) are not supported yet"),
+    (["--model.flavor", "30B-A3B"], "command line: --model.flavor = '30B-A3B': unknown flavor for llama3; "
+                                    "expected one of debugmodel, 8B, 70B, 405B, 1B, 3B (30B-A3B is a flavor of qwen3)"),
 ])
 def test_bad_moe_settings_are_one_line_before_anything_is_built(flags, message, tmp_path):
     with pytest.raises(ConfigError) as e:

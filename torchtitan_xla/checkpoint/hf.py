@@ -38,10 +38,10 @@ def model_args_from_json(text: str) -> ModelArgs:
 
 
 def model_args_from_hf_config(cfg: dict) -> ModelArgs:
-    """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`)
-    with this config computes."""
+    """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`,
+    `Qwen3MoeForCausalLM`) with this config computes."""
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    qwen3 = cfg.get("model_type") == "qwen3"
+    qwen3 = cfg.get("model_type") in ("qwen3", "qwen3_moe")
     head_dim = cfg.get("head_dim") or dim // heads  # transformers 5 writes null for "derived"
     if head_dim != dim // heads and not qwen3:
         raise ConfigError("config.json: head_dim != hidden_size / num_attention_heads is not supported")
@@ -65,6 +65,15 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
         # rounding up to multiple_of alone cannot give a size below Llama's 8/3 dim.
         if cfg["intermediate_size"] < int(2 * 4 * dim / 3):
             multiplier = cfg["intermediate_size"] / int(2 * 4 * dim / 3)
+    if cfg.get("model_type") == "qwen3_moe":
+        # Experts of moe_intermediate_size in every decoder_sparse_step-th block, dense blocks of
+        # intermediate_size between; our router renormalises its top-k (norm_topk_prob).
+        if not cfg.get("norm_topk_prob") or cfg.get("mlp_only_layers"):
+            raise ConfigError("config.json: Qwen3-MoE without norm_topk_prob, or with mlp_only_layers, "
+                              "is not supported")
+        moe = dict(num_experts=cfg.get("num_experts", 128), top_k=cfg.get("num_experts_per_tok", 8),
+                   moe_hidden_dim=cfg["moe_intermediate_size"], moe_every=cfg.get("decoder_sparse_step", 1),
+                   aux_loss_weight=cfg.get("router_aux_loss_coef", 0.001))
     # transformers' default rope_theta: Mixtral's when the config leaves it out.
     theta = cfg.get("rope_theta", scaling.get("rope_theta", 1e6 if moe else 10000.0))
     # The FFN size is given directly; pick multiple_of so that ModelArgs reproduces it exactly.
@@ -75,6 +84,48 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      max_seq_len=cfg.get("max_position_embeddings", 2048),  # and context_len
                      qk_norm=qwen3, head_dim_override=head_dim if head_dim != dim // heads else None,
                      tie_embeddings=bool(cfg.get("tie_word_embeddings")), **moe)
+
+
+# What decides what a checkpoint's weights compute, by our name and config.json's.
+_ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
+                 ("n_heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
+                 ("head_dim", "head_dim"), ("qk_norm", "query/key norms"),
+                 ("tie_embeddings", "tie_word_embeddings"), ("num_experts", "experts"),
+                 ("top_k", "num_experts_per_tok"), ("expert_hidden_dim", "the experts' size"),
+                 ("moe_every", "decoder_sparse_step"), ("ffn_hidden_dim", "intermediate_size"),
+                 ("norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"))
+
+
+def _architecture_difference(theirs: ModelArgs, ours: ModelArgs) -> tuple[str, object, object] | None:
+    dense_blocks = any(not ours.is_moe_layer(i) for i in range(ours.n_layers))
+    for field, hf_name in _ARCHITECTURE:
+        if field == "ffn_hidden_dim" and not dense_blocks:
+            continue  # unused: every block has experts
+        if getattr(theirs, field) != getattr(ours, field):
+            return hf_name, getattr(theirs, field), getattr(ours, field)
+    return None
+
+
+def match_initial_hf_weights(cfg, args: ModelArgs, model: str) -> ModelArgs:
+    """A fine-tuning start from HF weights ([checkpoint] `cfg` with initial_load_in_hf) against the
+    run's model `args` ("name flavor"), before anything is built: the run takes the weights'
+    vocabulary (Qwen's embedding has rows past its tokenizer's ids), and any other difference in
+    architecture is one line, naming the flavor the folder holds if it is one of ours."""
+    path = Path(cfg.initial_load_path) / "config.json"
+    if not cfg.initial_load_in_hf or storage.is_url(cfg.initial_load_path) or not path.is_file():
+        return args  # a missing folder is reported where the weights are read
+    theirs = model_args_from_hf_config(json.loads(path.read_text()))
+    difference = _architecture_difference(theirs, args)
+    if difference is None:
+        return dataclasses.replace(args, vocab_size=theirs.vocab_size)
+    from torchtitan_xla.models import models_config
+
+    same = [f"{name} {flavor}" for name, flavors in models_config.items()
+            for flavor, candidate in flavors.items() if _architecture_difference(theirs, candidate) is None]
+    hint = f"; it holds {' or '.join(same)}: set [model] name and flavor to it" if same else ""
+    key, there, here = difference
+    raise ConfigError(f"[checkpoint] initial_load_path: {path} is not the run's model {model}: {key} {there} "
+                      f"there, {here} here{hint}")
 
 
 # ---- files ------------------------------------------------------------------------------------

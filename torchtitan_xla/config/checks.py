@@ -69,13 +69,15 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
             f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
             f"before the next starts")
-    from torchtitan_xla.models import flavors_of  # torch-free registry of names
+    from torchtitan_xla.models import all_flavors  # torch-free registry of names
 
-    known = flavors_of(cfg.model.name)
+    known = all_flavors()[cfg.model.name]
     if cfg.model.flavor not in known:
+        elsewhere = [name for name, flavors in all_flavors().items() if cfg.model.flavor in flavors]
+        hint = f" ({cfg.model.flavor} is a flavor of {' and '.join(elsewhere)})" if elsewhere else ""
         raise ConfigError(
             f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
-            f"{cfg.model.name}; expected one of {', '.join(known)}")
+            f"{cfg.model.name}; expected one of {', '.join(known)}{hint}")
     _check_moe(cfg, sources)
     _check_runtime(cfg, sources)
 
@@ -135,11 +137,11 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         if given:
             raise ConfigError(f"{sources.describe('moe', given[0])} = {getattr(m, given[0])!r}: the "
                               f"model {model} is dense (no experts); set [moe] num_experts, or use "
-                              f"a mixtral flavor")
+                              f"an MoE flavor (mixtral, qwen3 debugmodel_moe, 30B-A3B, 235B-A22B)")
         if ep > 1:
             raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep}: "
                               f"the model {model} is dense (no experts to split); set [moe] "
-                              f"num_experts, or use a mixtral flavor")
+                              f"num_experts, or use an MoE flavor")
         return
     experts, top_k = m.num_experts or args.num_experts, m.top_k or args.top_k
     if experts % ep:
@@ -154,10 +156,11 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         raise ConfigError(f"{sources.describe('moe', key)} = {getattr(m, key)}: top_k ({top_k}) cannot "
                           f"exceed num_experts ({experts}) of {model}")
     every = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(m)).moe_every
-    if every > 1 and cfg.checkpoint.last_save_in_hf:
-        raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a model with "
+    if every > 1 and cfg.checkpoint.last_save_in_hf and not args.qk_norm:
+        # Qwen3-MoE's decoder_sparse_step is this interleaving, with Qwen3's query/key norms.
+        raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a Llama model with "
                           f"MoE in one block of every {every} (GLaM-style) has no HuggingFace architecture "
-                          f"to export to; keep the DCP checkpoints instead")
+                          f"to export to (a qwen3 model has: Qwen3-MoE); keep the DCP checkpoints instead")
     if m.grouped_mm:
         p = cfg.parallelism
         clash = ([("moe", "capacity_factor", f"{m.capacity_factor:g}", "sorted experts are dropless")]

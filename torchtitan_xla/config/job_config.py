@@ -39,7 +39,7 @@ class Job:
 class Model:
     name: Literal["llama2", "llama3", "mixtral", "qwen3"] = opt(
         "llama3", "Model family (mixtral: Llama blocks with mixture-of-experts feed-forwards, docs/moe.md; "
-        "qwen3: Llama blocks with per-head query/key norms, docs/checkpoint.md).")
+        "qwen3: Llama blocks with per-head query/key norms, dense or with experts, docs/checkpoint.md).")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
         "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
@@ -147,9 +147,11 @@ class Loss:
 @dataclass
 class MoE:
     num_experts: int = opt(
-        0, "Experts per mixture-of-experts block; 0: the flavor's (mixtral: 8; llama flavors are dense). "
+        0, "Experts per mixture-of-experts block; 0: the flavor's (mixtral: 8; qwen3 30B-A3B, 235B-A22B: "
+        "128, debugmodel_moe: 8; the other llama and qwen3 flavors are dense). "
         "> 0 on a llama flavor makes every moe_every-th block an MoE (GLaM-style).", ge=0)
-    top_k: int = opt(0, "Experts each token is routed to; 0: the flavor's (2).", ge=0)
+    top_k: int = opt(0, "Experts each token is routed to; 0: the flavor's (mixtral 2, qwen3 8, its "
+                        "debugmodel_moe 4).", ge=0)
     moe_every: int = opt(
         0, "One block in every this many is an MoE (1: all, as Mixtral; 2: every other, as GLaM); "
         "0: the flavor's.", ge=0)

@@ -146,20 +146,31 @@ mixtral_configs = {
 # width, grouped-query attention and rope_theta 1e6; the numbers of the checkpoints' config.json
 # (intermediate_size is the FFN size: multiple_of rounds Llama's 8/3 dim up to exactly it). Context
 # 40960 (32768 trained, as published). The 0.6B-4B flavors tie their embeddings, as does the debug
-# model, whose heads (32) are not dim / n_heads (16), as Qwen3's are not.
+# model, whose heads (32) are not dim / n_heads (16), as Qwen3's are not. The MoE flavors have
+# experts in every block (128 small ones, top-8, renormalised: norm_topk_prob), no shared expert,
+# and their config's router_aux_loss_coef; their debug model has 8 experts, top-4, of a quarter of
+# the dense debug FFN (as much compute per token), untied as theirs are.
 def _qwen3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, *, tied: bool = False,
-           head_dim: int = 128, context: int = 40960) -> ModelArgs:
+           head_dim: int = 128, context: int = 40960, experts: int = 0, top_k: int = 8,
+           expert_ffn: int | None = None) -> ModelArgs:
+    moe = {}
+    if experts:
+        moe = dict(num_experts=experts, top_k=top_k, moe_hidden_dim=expert_ffn, aux_loss_weight=0.001)
     return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, multiple_of=ffn,
                      head_dim_override=head_dim, qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
-                     max_seq_len=context, tie_embeddings=tied)
+                     max_seq_len=context, tie_embeddings=tied, **moe)
 
 
-qwen3_configs = {  # dim, layers, heads, kv heads, FFN size
-    "debugmodel": _qwen3(256, 4, 8, 4, 768, tied=True, head_dim=32, context=2048),
+qwen3_configs = {  # dim, layers, heads, kv heads, FFN size (the dense blocks')
+    "debugmodel": _qwen3(256, 4, 16, 4, 768, tied=True, head_dim=32, context=2048),
+    "debugmodel_moe": _qwen3(256, 4, 16, 4, 768, head_dim=32, context=2048, experts=8, top_k=4,
+                             expert_ffn=192),
     "0.6B": _qwen3(1024, 28, 16, 8, 3072, tied=True),
     "1.7B": _qwen3(2048, 28, 16, 8, 6144, tied=True),
     "4B": _qwen3(2560, 36, 32, 8, 9728, tied=True),
     "8B": _qwen3(4096, 36, 32, 8, 12288),
     "14B": _qwen3(5120, 40, 40, 8, 17408),
     "32B": _qwen3(5120, 64, 64, 8, 25600),
+    "30B-A3B": _qwen3(2048, 48, 32, 4, 6144, experts=128, expert_ffn=768),
+    "235B-A22B": _qwen3(4096, 94, 64, 4, 12288, experts=128, expert_ffn=1536),
 }

@@ -53,42 +53,55 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(w.shape)
 
 
-# Ours (stacked over experts) -> the per-expert HF name, with {} for the expert's index.
-_EXPERT_MAP = {f"feed_forward.{w}": f"block_sparse_moe.experts.{{}}.{w}.weight" for w in ("w1", "w2", "w3")}
-_ROUTER = ("feed_forward.router.weight", "block_sparse_moe.gate.weight")
+# Ours (stacked over experts) -> the per-expert HF name, with {} for the expert's index; and the
+# router's. Mixtral's names, and Qwen3-MoE's (Qwen2-MoE's: the dense MLP's names per expert).
+_MIXTRAL_EXPERTS = {f"feed_forward.{w}": f"block_sparse_moe.experts.{{}}.{w}.weight"
+                    for w in ("w1", "w2", "w3")}
+_QWEN3_EXPERTS = {f"feed_forward.{w}": f"mlp.experts.{{}}.{hf}.weight"
+                  for w, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
+_ROUTER = "feed_forward.router.weight"
+_MOE_PREFIXES = ("block_sparse_moe.", "mlp.gate.", "mlp.experts.")  # HF names within a layer
 
 
-def _moe_to_hf(layer: str, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    if name == _ROUTER[0]:
-        return {f"model.layers.{layer}.{_ROUTER[1]}": t}
-    return {f"model.layers.{layer}.{_EXPERT_MAP[name].format(e)}": t[e] for e in range(t.shape[0])}
+def _expert_names(args: ModelArgs) -> tuple[dict[str, str], str]:
+    if args.qk_norm:
+        return _QWEN3_EXPERTS, "mlp.gate.weight"
+    return _MIXTRAL_EXPERTS, "block_sparse_moe.gate.weight"
+
+
+def _moe_to_hf(layer: str, name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+    experts, router = _expert_names(args)
+    if name == _ROUTER:
+        return {f"model.layers.{layer}.{router}": t}
+    return {f"model.layers.{layer}.{experts[name].format(e)}": t[e] for e in range(t.shape[0])}
 
 
 def _moe_from_hf(layers: dict[str, dict[str, torch.Tensor]], args: ModelArgs) -> dict[str, torch.Tensor]:
     """{layer: {HF name within the layer: tensor}} of the mixture-of-experts weights -> ours."""
+    experts, router = _expert_names(args)
     out = {}
     for layer, tensors in layers.items():
         ours = f"layers.{layer}.feed_forward"
-        for router in (_ROUTER[1], "mlp.gate.weight"):  # on disk, in memory
-            if router in tensors:
-                out[f"{ours}.router.weight"] = tensors.pop(router)
+        for name in (router, "mlp.gate.weight"):  # on disk, in memory
+            if name in tensors:
+                out[f"{ours}.router.weight"] = tensors.pop(name)
         # transformers 5's in-memory layout: w1 and w3 of every expert in one tensor, then w2.
         if "mlp.experts.gate_up_proj" in tensors:
             w1, w3 = tensors.pop("mlp.experts.gate_up_proj").chunk(2, dim=1)
             out[f"{ours}.w1"], out[f"{ours}.w3"] = w1.contiguous(), w3.contiguous()
         if "mlp.experts.down_proj" in tensors:
             out[f"{ours}.w2"] = tensors.pop("mlp.experts.down_proj")
-        for name, hf in _EXPERT_MAP.items():  # on disk: one tensor per expert
-            experts = [tensors.pop(hf.format(e), None) for e in range(args.num_experts)]
-            if all(t is None for t in experts):
+        for name, hf in experts.items():  # on disk: one tensor per expert
+            per_expert = [tensors.pop(hf.format(e), None) for e in range(args.num_experts)]
+            if all(t is None for t in per_expert):
                 continue
-            if any(t is None for t in experts):
+            if any(t is None for t in per_expert):
                 raise KeyError(f"model.layers.{layer}.{hf.format('E')} is missing for some of the "
                                f"{args.num_experts} experts")
-            out[f"layers.{layer}.{name}"] = torch.stack(experts)
+            out[f"layers.{layer}.{name}"] = torch.stack(per_expert)
         if tensors:  # e.g. more experts than args.num_experts
             name = next(iter(tensors))
-            raise KeyError(f"unexpected HuggingFace Mixtral weight model.layers.{layer}.{name}")
+            raise KeyError(f"unexpected HuggingFace mixture-of-experts weight model.layers.{layer}.{name}")
     return out
 
 
@@ -114,8 +127,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             continue
         base, adapter = split_adapter(name)
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", base)
-        if m and adapter is None and (m.group(2) in _EXPERT_MAP or m.group(2) == _ROUTER[0]):
-            out.update(_moe_to_hf(m.group(1), m.group(2), t))
+        if m and adapter is None and (m.group(2) in _MIXTRAL_EXPERTS or m.group(2) == _ROUTER):
+            out.update(_moe_to_hf(m.group(1), m.group(2), t, args))
             continue
         if not m or m.group(2) not in _LAYER_MAP:
             raise KeyError(f"no HuggingFace name for parameter {name!r}")
@@ -138,7 +151,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
                 out[top[name]] = t
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if m and m.group(2).startswith(("block_sparse_moe.", "mlp.gate.", "mlp.experts.")):
+        if m and args.num_experts and m.group(2).startswith(_MOE_PREFIXES):
             moe.setdefault(m.group(1), {})[m.group(2)] = t
             continue
         if not m or m.group(2) not in layer:
@@ -155,24 +168,21 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None = None,
               dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` with which `LlamaForCausalLM`, with experts `MixtralForCausalLM`, with
-    query/key norms `Qwen3ForCausalLM`, computes
-    what our model computes, and which describes it as trained: its context length (the flavor's,
-    or the positions training reached beyond it) and, for Mixtral, the load-balancing loss's weight."""
-    moe = args.num_experts > 0
-    if moe and args.qk_norm:
-        raise ValueError("export of Qwen3's mixture of experts (Qwen3MoeForCausalLM) is not "
-                         "written yet: export needs a dense Qwen3 or Mixtral")
-    if moe and args.moe_every != 1:
-        # Qwen2-MoE and Qwen3-MoE interleave dense and MoE blocks (decoder_sparse_step), but with
-        # q/k/v biases and a shared expert, or q/k norms: neither computes this model.
-        raise ValueError(f"no transformers architecture has experts in one block of every "
+    query/key norms `Qwen3ForCausalLM` (and experts `Qwen3MoeForCausalLM`) computes what our model
+    computes, and which describes it as trained: its context length (the flavor's, or the positions
+    training reached beyond it) and, with experts, the load-balancing loss's weight."""
+    moe, qwen3 = args.num_experts > 0, args.qk_norm
+    if moe and args.moe_every != 1 and not qwen3:
+        # Qwen3-MoE interleaves dense and MoE blocks as moe_every does (decoder_sparse_step), but
+        # with query/key norms; Qwen2-MoE with q/k/v biases and a shared expert.
+        raise ValueError(f"no transformers architecture has Llama blocks with experts in one block of every "
                          f"{args.moe_every} (moe_every={args.moe_every}): export to HuggingFace needs "
-                         f"moe_every = 1, experts in every block (Mixtral)")
+                         f"moe_every = 1, experts in every block (Mixtral), or a qwen3 model")
     cfg: dict[str, Any] = {
         "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
         "model_type": "mixtral" if moe else "llama",
         "hidden_size": args.dim,
-        "intermediate_size": args.expert_hidden_dim if moe else args.ffn_hidden_dim,
+        "intermediate_size": args.ffn_hidden_dim,  # the dense blocks' (with moe_every > 1)
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.kv_heads,
@@ -187,21 +197,28 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
         "attention_dropout": 0.0,
     }
     if moe:
-        # transformers' Mixtral is dropless: a model trained with a capacity factor computes there
-        # what ours computes when no token is dropped.
+        # transformers' MoE models are dropless: a model trained with a capacity factor computes
+        # there what ours computes when no token is dropped. They add router_aux_loss_coef x their
+        # balancing loss to the loss only with output_router_logits: on when training weighted it,
+        # so training on goes on alike (its loss averages the layers' fractions first, moe.py; no
+        # z-loss exists there).
+        cfg.update({"num_experts_per_tok": args.top_k, "router_aux_loss_coef": args.aux_loss_weight,
+                    "output_router_logits": args.aux_loss_weight > 0,
+                    "tie_word_embeddings": args.tie_embeddings})
+    if moe and qwen3:
+        cfg.update({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": args.num_experts, "moe_intermediate_size": args.expert_hidden_dim,
+            "decoder_sparse_step": args.moe_every, "mlp_only_layers": [],
+            "norm_topk_prob": True,  # our router renormalises the top-k probabilities
+            "attention_bias": False, "use_sliding_window": False, "sliding_window": None})
+    elif moe:
         cfg.update({
             "sliding_window": None,  # Mixtral's attention is full (Mistral 7B's had a window)
-            "tie_word_embeddings": False,
-            "num_local_experts": args.num_experts,
-            "num_experts_per_tok": args.top_k,
-            # transformers adds router_aux_loss_coef x its balancing loss to the loss only with
-            # output_router_logits: on when training weighted it, so training on goes on alike (its
-            # loss averages the layers' fractions first, moe.py; no z-loss exists there).
-            "router_aux_loss_coef": args.aux_loss_weight,
-            "output_router_logits": args.aux_loss_weight > 0,
+            "num_local_experts": args.num_experts, "intermediate_size": args.expert_hidden_dim,
             "router_jitter_noise": 0.0,
         })
-    elif args.qk_norm:
+    elif qwen3:
         cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                     "tie_word_embeddings": args.tie_embeddings, "attention_bias": False,
                     "use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers})
