@@ -1,12 +1,13 @@
-"""Download a model family's tokenizer.model from its HuggingFace repository to where the recipes
+"""Download a model family's tokenizer file from its HuggingFace repository to where the recipes
 look for it.
 
     HF_TOKEN=hf_... python scripts/download_tokenizer.py llama3   # -> ./assets/tokenizer/llama3/
     python scripts/download_tokenizer.py mixtral --out /data/tok/mixtral.model
+    python scripts/download_tokenizer.py qwen3   # tokenizer.json; Qwen's repositories are open
 
-The repositories are gated: accept the model's licence on its HuggingFace page first, with the
-account the token belongs to (or log in with `hf auth login`). Exit 0: written; 1: the download
-failed (no network, no access); 2: bad arguments. Each failure is one line.
+Llama's and Mixtral's repositories are gated: accept the model's licence on its HuggingFace page
+first, with the account the token belongs to (or log in with `hf auth login`). Exit 0: written;
+1: the download failed (no network, no access); 2: bad arguments. Each failure is one line.
 """
 
 from __future__ import annotations

@@ -46,3 +46,29 @@ def write_c4(root: Path, texts: list[str], files: int, split: str = "train") -> 
                     texts[k * per:(k + 1) * per], gz=True,
                     extra={"timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{k}"})
     return root
+
+
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's special tokens, at Qwen's order
+# Qwen2/3's pre-tokenisation (single digits, unlike Llama 3's runs of three).
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def train_qwen_style_tokenizer(folder: Path, vocab_size: int = 800) -> Path:
+    """A byte-level BPE tokenizer.json trained on the embedded corpus as Qwen's is built: Qwen's
+    pattern, ChatML's special tokens after the merges, no BOS. Returns the folder holding it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from torchtitan_xla.datasets import python_docs
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(python_docs.documents(), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    return folder

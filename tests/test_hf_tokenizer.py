@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from data_helpers import train_qwen_style_tokenizer
 
 from torchtitan_xla.config import ConfigError
 from torchtitan_xla.datasets import python_docs
@@ -14,10 +15,6 @@ from torchtitan_xla.datasets.chat import render
 from torchtitan_xla.datasets.tokenizer import build_tokenizer
 from torchtitan_xla.datasets.tokenizer.hf import HFTokenizer
 
-CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's special tokens, at Qwen's order
-# Qwen2/3's pre-tokenisation (single digits, unlike Llama 3's runs of three).
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 SAMPLE = "The \"assert\" statement — déjà vu 🙂 in 世界\n\n\tindented   text <|im_end|> 12345"
 
 
@@ -29,21 +26,8 @@ def conversations() -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def qwen_style(tmp_path_factory):
-    """A byte-level BPE tokenizer.json trained here on the embedded corpus as Qwen's is built:
-    Qwen's pattern, ChatML's special tokens after the merges, no BOS."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=CHATML,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(python_docs.documents(), trainer)
-    folder = tmp_path_factory.mktemp("qwen_style")
-    backend.save(str(folder / "tokenizer.json"))
-    return folder
+    """Qwen's kind of tokenizer.json, trained here on the embedded corpus (data_helpers)."""
+    return train_qwen_style_tokenizer(tmp_path_factory.mktemp("qwen_style"))
 
 
 def test_a_tokenizer_json_is_read_with_its_chatml_tokens_and_no_bos(qwen_style):

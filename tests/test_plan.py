@@ -4,6 +4,7 @@ its error lines. The compiled steps come from two subprocess runs shared by the 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from torchtitan_xla.plan.calibrate import audit_point, calibration_shape, grid_p
 RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256",
            "llama3_70b": "v6e-256", "llama3_405b": "v5p-1024", "llama3_8b_sft": "v6e-64",
            "llama3_8b_lora": "v6e-8", "debug_sft": "v6e-8", "debug_lora": "v6e-8",
-           "mixtral_8x7b": "v5p-256"}
+           "mixtral_8x7b": "v5p-256", "qwen3_8b_sft": "v6e-64", "qwen3_8b_lora": "v6e-8",
+           "qwen3_30b_a3b": "v5p-128", "llama3_2_1b": "v6e-8"}
 
 
 def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chunk):
@@ -112,17 +114,42 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_fits_its_slice(recipe):
-    """`run_train.sh --plan` prints a verdict for the recipe's own slice: each recipe fits it."""
-    p = subprocess.run([str(REPO / "run_train.sh"), "--plan"], cwd=REPO, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "CONFIG_FILE": f"{recipe}.toml"})
+@pytest.fixture(scope="module")
+def recipe_plans() -> dict[str, tuple[int, str]]:
+    """Every recipe's plan, in one process (torch imported once): {recipe: (exit code, output)}."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from torchtitan_xla.plan.__main__ import main\n"
+        "out = {}\n"
+        "for recipe in sys.argv[1:]:\n"
+        "    buffer = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(buffer):\n"
+        "        rc = main(['--job.config_file', f'train_configs/{recipe}.toml'])\n"
+        "    out[recipe] = (rc, buffer.getvalue())\n"
+        "print(json.dumps(out))\n")
+    p = subprocess.run([sys.executable, "-c", code, *RECIPES], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip().splitlines()[-1] == f"verdict: FITS on {RECIPES[recipe]}"
-    assert "MFU at most" in p.stdout
+    return {k: tuple(v) for k, v in json.loads(p.stdout.splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_fits_its_slice(recipe, recipe_plans):
+    """The plan of each recipe prints a verdict for the recipe's own slice: each recipe fits it."""
+    rc, out = recipe_plans[recipe]
+    assert rc == 0, out
+    assert out.strip().splitlines()[-1] == f"verdict: FITS on {RECIPES[recipe]}"
+    assert "MFU at most" in out
     # Which runtime the recipe is meant for; whether the native one (TorchTPU) runs it too.
     other = 'the native runtime (TorchTPU) runs it too ([runtime] backend = "native"; not verified on a TPU)'
-    assert p.stdout.splitlines()[1] == f"runtime: xla (torch_xla SPMD: one process per host); {other}"
+    assert out.splitlines()[1] == f"runtime: xla (torch_xla SPMD: one process per host); {other}"
+
+
+def test_run_train_sh_plan_prints_the_recipes_plan(recipe_plans):
+    """`CONFIG_FILE=... ./run_train.sh --plan`, as a user types it, prints what the plan prints."""
+    p = subprocess.run([str(REPO / "run_train.sh"), "--plan"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "CONFIG_FILE": "qwen3_30b_a3b.toml"})
+    assert (p.returncode, p.stdout) == recipe_plans["qwen3_30b_a3b"]
 
 
 def test_plan_allocates_nothing_and_suggests_what_fits():

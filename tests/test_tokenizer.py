@@ -2,6 +2,7 @@
 deterministic debug tokenizer, and their errors. Every tokenizer file here is built by the test."""
 
 import base64
+from pathlib import Path
 
 import pytest
 
@@ -255,11 +256,14 @@ def test_a_missing_recipe_tokenizer_says_where_to_get_it():
         message = str(e.value)
         assert "\n" not in message
         assert message.startswith(f"[model] tokenizer_path: file not found: /nonexistent{path[1:]}; ")
-        for part in (source.repo, source.filename, f"accept its licence at {source.url}",
-                     f"python scripts/download_tokenizer.py {cfg.model.name} --out /nonexistent{path[1:]}"):
+        out = f"/nonexistent{path[1:]}"
+        if not Path(path).suffix:  # a model folder (the fine-tuning recipes'): its tokenizer file
+            out += "/" + Path(source.filename).name
+        for part in (source.repo, source.filename, f"python scripts/download_tokenizer.py {cfg.model.name} --out {out}`"):
             assert part in message, (recipe.name, part)
+        assert (f"accept its licence at {source.url}" in message) == source.gated, recipe.name
         checked += 1
-    assert checked >= 6  # llama2, llama3 (8B, 70B, 405B, SFT, LoRA), mixtral
+    assert checked >= 10  # llama2, llama3 (8B, 70B, 405B, SFT, LoRA, 3.2 1B), mixtral, qwen3 (SFT, LoRA, 30B-A3B)
 
 
 def test_download_script_offline_is_one_line_and_writes_nothing(tmp_path):

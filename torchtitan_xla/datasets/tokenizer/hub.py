@@ -1,10 +1,11 @@
-"""Where the recipes' tokenizers come from: each model family's `tokenizer.model` in its (gated)
-HuggingFace repository, for the error a user sees when the file is missing and for
-`scripts/download_tokenizer.py`, which fetches it. Nothing here downloads at run time."""
+"""Where the recipes' tokenizers come from: each model family's tokenizer file in its HuggingFace
+repository (gated for Llama and Mixtral, open for Qwen), for the error a user sees when the file
+is missing and for `scripts/download_tokenizer.py`, which fetches it. Nothing here downloads at run time."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,7 @@ class TokenizerSource:
     repo: str  # HuggingFace repository id
     filename: str  # the file inside it
     default_path: str  # where the recipes look for it (their tokenizer_path)
+    gated: bool = True  # a licence to accept on the repository's page first
 
     @property
     def url(self) -> str:
@@ -25,6 +27,9 @@ SOURCES = {
                               "./assets/tokenizer/llama2/tokenizer.model"),
     "mixtral": TokenizerSource("mistralai/Mixtral-8x7B-v0.1", "tokenizer.model",
                                "./assets/tokenizer/mixtral/tokenizer.model"),
+    # Qwen3's tokenizer.json is the same in every size, dense and MoE.
+    "qwen3": TokenizerSource("Qwen/Qwen3-8B", "tokenizer.json", "./assets/tokenizer/qwen3/tokenizer.json",
+                             gated=False),
 }
 
 
@@ -33,7 +38,12 @@ def where_to_get(model: str, path: str) -> str:
     source = SOURCES.get(model)
     if source is None:
         return ""
+    if not PurePosixPath(path).suffix:  # a model folder: the file goes in it
+        path = f"{path.rstrip('/')}/{PurePosixPath(source.filename).name}"
+    download = f"`python scripts/download_tokenizer.py {model} --out {path}`"
+    if not source.gated:
+        return (f"{model}'s tokenizer is {source.filename} in the HuggingFace repository {source.repo}: "
+                f"run {download} (README, 'Tokenizers')")
     return (f"{model}'s tokenizer is {source.filename} in the gated HuggingFace repository "
-            f"{source.repo}: accept its licence at {source.url}, then run "
-            f"`python scripts/download_tokenizer.py {model} --out {path}` with HF_TOKEN set "
+            f"{source.repo}: accept its licence at {source.url}, then run {download} with HF_TOKEN set "
             f"(README, 'Tokenizers')")
