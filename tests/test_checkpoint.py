@@ -213,16 +213,29 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(straight, tmp_path)
     assert committed_steps(ckpt) == [6] and sorted(p.name for p in ckpt.iterdir()) == ["step-6"]
 
 
+# train.py's command line (its error handling and exit codes) on the debug model cut to two blocks.
+_TRAIN_PY_TWO_BLOCKS = """
+import dataclasses, sys
+sys.path.insert(0, {repo!r})
+from torchtitan_xla.models import models_config
+models_config["llama3"]["debugmodel"] = dataclasses.replace(models_config["llama3"]["debugmodel"], n_layers=2)
+import train
+sys.argv[0] = "train.py"
+sys.exit(train.run_main(train.cli))
+"""
+
+
 def _train_py(folder: Path, *extra: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
-    """train.py itself (the whole debug model), for its exit code and error line; with
-    `file_size_limit`, no file it writes may grow past that many bytes (RLIMIT_FSIZE: a full disk,
-    reproducibly; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
+    """train.py itself, for its exit code and error line; with `file_size_limit`, no file it writes
+    may grow past that many bytes (RLIMIT_FSIZE: a full disk, reproducibly; Python ignores SIGXFSZ,
+    so the write fails with EFBIG)."""
     import resource
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *tiny_args(folder, *CKPT, *extra)],
+    return subprocess.run([sys.executable, "-c", _TRAIN_PY_TWO_BLOCKS.format(repo=str(REPO)),
+                           *tiny_args(folder, *CKPT, *extra)],
                           capture_output=True, text=True, env={**_cpu_env(), "CPU_NUM_DEVICES": "1"},
                           preexec_fn=limit if file_size_limit else None)
 
@@ -232,7 +245,7 @@ def test_a_failed_write_is_one_line_exit_1_and_keeps_the_previous_checkpoint(tmp
     assert _train_py(folder, "--training.steps", "3").returncode == 0
     step3 = folder / "checkpoint" / "step-3"
     before = {f.name: f.read_bytes() for f in step3.iterdir()}
-    # The logs fit in 1 MB; the step-6 checkpoint (~96 MB) does not. In both modes the same line:
+    # The logs fit in 1 MB; the step-6 checkpoint (~34 MB) does not. In both modes the same line:
     # async mode reports the background write's failure when the loop next waits for it.
     for mode in ("disabled", "async"):
         p = _train_py(folder, "--training.steps", "6", "--checkpoint.async_mode", mode, file_size_limit=2**20)
