@@ -147,9 +147,8 @@ class Loss:
 @dataclass
 class MoE:
     num_experts: int = opt(
-        0, "Experts per mixture-of-experts block; 0: the flavor's (mixtral: 8; qwen3 30B-A3B, 235B-A22B: "
-        "128, debugmodel_moe: 8; the other llama and qwen3 flavors are dense). "
-        "> 0 on a llama flavor makes every moe_every-th block an MoE (GLaM-style).", ge=0)
+        0, "Experts per MoE block; 0: the flavor's (mixtral 8; qwen3 30B-A3B, 235B-A22B 128, debugmodel_moe "
+        "8; others dense). > 0 on a dense flavor makes every moe_every-th block an MoE (GLaM).", ge=0)
     top_k: int = opt(0, "Experts each token is routed to; 0: the flavor's (mixtral 2, qwen3 8, its "
                         "debugmodel_moe 4).", ge=0)
     moe_every: int = opt(
