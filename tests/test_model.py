@@ -286,3 +286,41 @@ def test_tied_embeddings_are_one_parameter_and_match_transformers_float64(case):
     back = from_hf({**state, "lm_head.weight": state["model.embed_tokens.weight"]}, args)
     assert back.keys() == ours.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+# The published config.json values (where they are not the config class's defaults) of a dense
+# model of each new family; vocab_size from the checkpoints.
+PUBLISHED_CONFIGS = {
+    ("qwen3", "0.6B"): ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                            head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                            tie_word_embeddings=True)),
+    ("qwen3", "8B"): ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                          head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                          tie_word_embeddings=False)),
+    ("llama3", "1B"): ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                           num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                           head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                            "factor": 32.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192},
+                                           tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("family,flavor", PUBLISHED_CONFIGS, ids=[f for _, f in PUBLISHED_CONFIGS])
+def test_published_config_jsons_read_as_the_flavors(family, flavor):
+    """Qwen3-0.6B's, Qwen3-8B's and Llama-3.2-1B's config.json (as transformers 5 writes them)
+    give our flavors exactly, so their HF folders start a run of that flavor."""
+    from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
+
+    config_class, values = PUBLISHED_CONFIGS[family, flavor]
+    cfg = getattr(transformers, config_class)(**values).to_dict()
+    got, expected = model_args_from_hf_config(cfg), get_model_args(family, flavor, vocab_size=values["vocab_size"])
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_hidden_dim", "qk_norm",
+                  "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "max_seq_len", "vocab_size"):
+        assert getattr(got, field) == getattr(expected, field), field
