@@ -13,15 +13,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
-def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
-        le: float | None = None) -> Any:
-    """A config field: its default, its help text (shown by --help and docs/config.md) and
-    optional numeric bounds that are checked after all sources are merged."""
-    meta = {"help": help, "gt": gt, "ge": ge, "le": le}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+from torchtitan_xla.config.option import opt
+from torchtitan_xla.config.run_sections import (
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    Parallelism,
+    Runtime,
+)
 
 
 @dataclass
@@ -211,92 +210,6 @@ class Eval:
     output_file: str = opt(
         "eval_results.json", "Scores and per-request log-likelihoods (JSON), inside dump_folder.")
     at_end: bool = opt(False, "train.py: evaluate the tasks after the last step.")
-
-
-@dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = opt(
-        1, "Replicas of the model (HSDP replicate / DDP dimension).", gt=0)
-    data_parallel_shard_degree: int = opt(
-        -1, "FSDP dimension: parameters, gradients and optimizer state are sharded over it. "
-        "-1: all devices not used by the other degrees.")
-    tensor_parallel_degree: int = opt(
-        1, "Tensor (Megatron) parallel degree, with sequence parallelism between blocks.", gt=0)
-    expert_parallel_degree: int = opt(
-        1, "Expert parallel degree (mixture-of-experts models): the experts are split over this "
-        "many devices, which are also data-parallel ranks (dense weights are sharded over "
-        "data_parallel_shard_degree x expert_parallel_degree). Must divide num_experts.", gt=0)
-    num_slices: int = opt(
-        1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
-        "data_parallel_replicate_degree must be a multiple of it.", gt=0)
-
-
-@dataclass
-class Checkpoint:
-    enable: bool = opt(False, "Save checkpoints, and resume from the newest one at start.")
-    folder: str = opt("checkpoint", "Checkpoint folder, inside dump_folder unless absolute or a gs:// "
-                      "or s3:// URL; holds step-<N> folders.")
-    interval: int = opt(500, "Save every this many steps (and after the last step).", gt=0)
-    async_mode: Literal["disabled", "async"] = opt(
-        "disabled", "async: copy the state on the device (the loop waits only for that), then move "
-        "it to host memory and write it in the background while training continues; needs device "
-        "memory for a second copy of the saved state until it reaches the host.")
-    keep_latest_k: int = opt(
-        10, "Keep this many newest checkpoints (0: all). Old ones are deleted only after a newer "
-        "one is complete.", ge=0)
-    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the newest usable one.", ge=-1)
-    last_save_model_only: bool = opt(
-        False, "Make the save after the last step model weights only (for export), in export_dtype.")
-    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", "dtype of model-only saves and of the HuggingFace export.")
-    exclude_from_loading: list[str] = opt(
-        [], "Parts not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, "
-        "train_state.")
-    on_damaged: Literal["fallback", "error"] = opt(
-        "fallback", "A checkpoint that fails to load: fall back to the previous one, or stop.")
-    initial_load_path: str = opt(
-        "", "With no checkpoint to resume from, start from these weights: a checkpoint step folder, "
-        "or a HuggingFace Llama folder (with initial_load_in_hf).")
-    initial_load_in_hf: bool = opt(False, "initial_load_path is a HuggingFace safetensors folder.")
-    last_save_in_hf: bool = opt(
-        False, "After the last step also export HuggingFace safetensors + config.json to "
-        "<folder>/step-<N>-hf.")
-    create_seed_checkpoint: bool = opt(
-        False, "Initialise the model, save it as step-0 (weights only) and exit: every run of an "
-        "experiment can then start from identical weights.")
-
-
-@dataclass
-class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = opt(
-        "selective", "Recompute activations in the backward pass instead of keeping them: none, "
-        "full (every block), or selective (see selective_ac_option).")
-    selective_ac_option: str = opt(
-        "2", "For mode selective: an integer N checkpoints every N-th block; 'op' keeps the "
-        "outputs of the weight matmuls and recomputes everything else (norms, RoPE, attention "
-        "scores, activations).")
-
-
-@dataclass
-class Runtime:
-    backend: Literal["xla", "native"] = opt(
-        "xla", "xla: torch_xla SPMD, one process per host. native: PyTorch distributed (DTensor, "
-        "torch.compile), one process per device: TorchTPU, CUDA, or the CPU with gloo.")
-    device: Literal["auto", "cpu", "cuda", "tpu"] = opt(
-        "auto", "The native runtime's device; auto: tpu where torch-tpu finds one, else cuda, else cpu.")
-
-
-@dataclass
-class Compile:
-    step: Literal["replay", "lazy", "compile", "eager"] = opt(
-        "replay", "How a step runs. XLA runtime, one graph per step: replay traces the first two "
-        "steps, then runs the compiled graph directly; lazy traces every step "
-        "(torch_xla.compile). Native runtime: compile (torch.compile per block; what replay "
-        "means there) or eager.")
-    scan_layers: bool = opt(
-        False, "Run the blocks as one XLA while loop over stacked weights (torch_xla scan_layers): "
-        "compile time stops growing with depth. With scan, activation_checkpoint mode must be "
-        "'none' or selective 'op' (done by the min-cut partitioner).")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_xla.config.job_config import Parallelism
+from torchtitan_xla.config.run_sections import Parallelism
 from torchtitan_xla.errors import ConfigError
 
 MESH_AXES = ("dp_replicate", "fsdp", "ep", "tp")

@@ -18,7 +18,7 @@ from torch import nn
 
 from torchtitan_xla import runtime
 from torchtitan_xla.config import JobConfig
-from torchtitan_xla.config.job_config import ActivationCheckpoint
+from torchtitan_xla.config.run_sections import ActivationCheckpoint
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
