@@ -112,3 +112,23 @@ def test_the_mismatch_names_the_flavor_the_folder_holds(family, flavor, run, tmp
         match_initial_hf_weights(cfg.checkpoint, get_model_args(*run, vocab_size=151669), " ".join(run))
     args = match_initial_hf_weights(cfg.checkpoint, get_model_args(family, flavor, vocab_size=151669), "")
     assert args.vocab_size == 151936
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "intermediate_size": 128, "rms_norm_eps": 1e-5, "vocab_size": 300, "sliding_window": 4096},
+     "sliding-window attention (sliding_window) is not supported"),
+    ({"model_type": "bert", "num_attention_heads": 4}, "no 'hidden_size': not a Llama, Mixtral or Qwen3 config"),
+    ("{not json", "not JSON ("),
+])
+def test_an_unusable_config_json_is_one_line_naming_the_file(config, message, tmp_path):
+    from torchtitan_xla.checkpoint.hf import match_initial_hf_weights
+    from torchtitan_xla.config import ConfigError, parse_args
+    from torchtitan_xla.models import get_model_args
+
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    cfg = parse_args(["--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf"])
+    with pytest.raises(ConfigError) as e:
+        match_initial_hf_weights(cfg.checkpoint, get_model_args("llama3", "debugmodel", vocab_size=300), "")
+    assert str(e.value).startswith(f"[checkpoint] initial_load_path: {tmp_path / 'config.json'}: {message}")
+    assert "\n" not in str(e.value)

@@ -114,7 +114,12 @@ def match_initial_hf_weights(cfg, args: ModelArgs, model: str) -> ModelArgs:
     path = Path(cfg.initial_load_path) / "config.json"
     if not cfg.initial_load_in_hf or storage.is_url(cfg.initial_load_path) or not path.is_file():
         return args  # a missing folder is reported where the weights are read
-    theirs = model_args_from_hf_config(json.loads(path.read_text()))
+    try:
+        theirs = model_args_from_hf_config(json.loads(path.read_text()))
+    except (ConfigError, KeyError, ValueError) as e:  # "config.json: ...", a missing key, bad JSON
+        why = str(e).removeprefix("config.json: ") if isinstance(e, ConfigError) else (
+            f"no {e}: not a Llama, Mixtral or Qwen3 config" if isinstance(e, KeyError) else f"not JSON ({e})")
+        raise ConfigError(f"[checkpoint] initial_load_path: {path}: {why}") from None
     difference = _architecture_difference(theirs, args)
     if difference is None:
         return dataclasses.replace(args, vocab_size=theirs.vocab_size)
