@@ -71,9 +71,10 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"before the next starts")
     from torchtitan_xla.models import all_flavors  # torch-free registry of names
 
-    known = all_flavors()[cfg.model.name]
+    registry = all_flavors()
+    known = registry[cfg.model.name]
     if cfg.model.flavor not in known:
-        elsewhere = [name for name, flavors in all_flavors().items() if cfg.model.flavor in flavors]
+        elsewhere = [name for name, flavors in registry.items() if cfg.model.flavor in flavors]
         hint = f" ({cfg.model.flavor} is a flavor of {' and '.join(elsewhere)})" if elsewhere else ""
         raise ConfigError(
             f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "

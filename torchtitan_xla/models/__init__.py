@@ -14,10 +14,6 @@ models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": 
                  "qwen3": qwen3_configs}
 
 
-def flavors_of(name: str) -> list[str]:
-    return list(models_config.get(name, {}))
-
-
 def all_flavors() -> dict[str, list[str]]:
     return {name: list(flavors) for name, flavors in models_config.items()}
 

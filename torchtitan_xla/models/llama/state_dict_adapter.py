@@ -127,7 +127,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             continue
         base, adapter = split_adapter(name)
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", base)
-        if m and adapter is None and (m.group(2) in _MIXTRAL_EXPERTS or m.group(2) == _ROUTER):
+        if m and adapter is None and (m.group(2) in _expert_names(args)[0] or m.group(2) == _ROUTER):
             out.update(_moe_to_hf(m.group(1), m.group(2), t, args))
             continue
         if not m or m.group(2) not in _LAYER_MAP:
