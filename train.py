@@ -49,7 +49,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, get_model_class, moe_overrides
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
-    from torchtitan_xla.models.llama.moe import inactive_expert_params, set_router_loss_weights
+    from torchtitan_xla.models.llama.moe import (
+        inactive_expert_params,
+        set_router_loss_weights,
+        update_expert_bias,
+    )
     from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
     from torchtitan_xla.optimizer import (
         build_lr_scheduler,
@@ -222,6 +226,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # (averaged over the blocks and the microbatches); their values are logged.
     moe_blocks = set_router_loss_weights(model, job_config.moe.aux_loss_weight,
                                          job_config.moe.z_loss_weight, accumulation_steps)
+    # DeepSeek-V3's routers balance by a bias, moved after each step by that step's expert load.
+    biased_blocks = [m for m in moe_blocks if m.expert_bias is not None]
 
     def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor):
         """One optimizer step on the batch; `packing` is (positions, document_ids) when several
@@ -233,11 +239,12 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         # written as the plain mean, the graph the plan's memory model was calibrated on.
         counted = labels != IGNORE_INDEX if packing else None
         total = counted.sum().clamp(min=1) if packing else None
-        loss, rank_token_losses, router = 0.0, [], []
+        loss, rank_token_losses, router, expert_counts = 0.0, [], [], [0] * len(biased_blocks)
         for mb_inputs, mb_labels, *mb_packing in zip(*(microbatches(t) for t in (inputs, labels, *packing))):
             # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
             token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_packing)
             router += [m.router_stats for m in moe_blocks]  # [aux, z, dropped] of this forward
+            expert_counts = [c + m.expert_counts for c, m in zip(expert_counts, biased_blocks)]
             mb_loss = token_losses.sum() / total if packing else token_losses.mean() / accumulation_steps
             mb_loss.backward()
             loss = loss + mb_loss.detach()
@@ -247,6 +254,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         if training.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(trainable, training.max_norm, grad_norm)
         step_with_lr(optimizer, lrs)
+        if job_config.moe.bias_update_rate:
+            update_expert_bias(biased_blocks, expert_counts, job_config.moe.bias_update_rate)
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
         rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1) for c in microbatches(counted)], 1)
                         if packing else None)

@@ -192,9 +192,12 @@ for name, args in json.loads(sys.argv[1]).items():
                              actual=spec(p), expected=expected(p.shape, ps), **state)
     results[name] = dict(losses={{s.step: s.loss for s in history}},
                          grad_norms={{s.step: s.grad_norm for s in history}},
+                         router={{s.step: s.router for s in history if s.router is not None}},
                          validation={{s.step: s.validation_loss for s in history
                                      if s.validation_loss is not None}},
-                         compiles=compiles, params=params)
+                         compiles=compiles, params=params,
+                         expert_bias={{n: b.cpu().tolist() for n, b in model.named_buffers()
+                                      if n.endswith("expert_bias")}})
     if dump:
         modules = set(map(str, dump.glob("*after_optimizations.txt"))) - dumped
         dumped |= modules
@@ -208,7 +211,7 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
     """Several train.main runs in one fresh process with `devices` devices (saves start-up time).
     For each: logged losses, compiles during the run, and for every parameter its partition spec,
     the sharding XLA reports for it and for its optimizer state of its shape (exp_avg, ...), and
-    the sharding a fresh tensor with that partition spec gets. With `xla_dump`, XLA dumps every
+    the sharding a fresh tensor with that partition spec gets; DeepSeek's expert biases after the run. With `xla_dump`, XLA dumps every
     compiled module there and each run lists its optimized HLO files ("hlo")."""
     env = None
     if xla_dump:
@@ -225,4 +228,5 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
     for r in results.values():
         r["losses"] = {int(k): v for k, v in r["losses"].items()}
         r["validation"] = {int(k): v for k, v in r["validation"].items()}
+        r["router"] = {int(k): v for k, v in r["router"].items()}
     return results

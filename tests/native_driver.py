@@ -24,10 +24,12 @@ from torchtitan_xla.datasets.loader import DataLoader  # noqa: E402
 from torchtitan_xla.logging import init_logger, logger  # noqa: E402
 
 layout = {}
+models = []
 parallelize = parallelisms.parallelize_llama
 
 
 def recording(model, mesh, parallel_dims, job_config):
+    models[:] = [model]
     out = parallelize(model, mesh, parallel_dims, job_config)
     for name, p in model.named_parameters():
         layout[name] = {"placements": [repr(x) for x in p.placements], "shape": list(p.shape),
@@ -85,4 +87,7 @@ for index, job in enumerate(jobs):
     if rank == 0:
         Path(job["out"]).write_text(json.dumps({
             "losses": {s.step: s.loss for s in history}, "grad_norms": {s.step: s.grad_norm for s in history},
-            "layout": layout, "log": "\n".join(log.lines)}))
+            "layout": layout, "log": "\n".join(log.lines),
+            # DeepSeek's expert biases (replicated: each process's copy is the whole).
+            "expert_bias": {n: (b.to_local() if hasattr(b, "to_local") else b).tolist()
+                            for n, b in models[0].named_buffers() if n.endswith("expert_bias")}}))

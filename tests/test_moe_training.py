@@ -19,6 +19,9 @@ BF16 = ["--training.mixed_precision_param", "bfloat16"]
 CHAT = ["--training.dataset", "python_docs_chat", "--moe.capacity_factor", "1.25"]
 # Qwen3's MoE debug model: 8 experts, top-4, query/key norms, heads wider than dim / n_heads.
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+# DeepSeek-V3's debug model cut to 2 blocks: one dense, one with 16 experts in 4 groups (top-4 within
+# 2 groups), a shared expert, the sigmoid router and its bias; latent attention.
+DEEPSEEK = ["--model.name", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def one_device(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe1")
     runs = {"dropless": [], "grouped_mm": ["--moe.grouped_mm"],
             "grouped_mm_bf16": ["--moe.grouped_mm", *BF16], "chat": CHAT}
-    runs = {k: [*MIXTRAL, *v] for k, v in runs.items()} | {"qwen3": QWEN3_MOE}
+    runs = {k: [*MIXTRAL, *v] for k, v in runs.items()} | {"qwen3": QWEN3_MOE, "deepseek": DEEPSEEK}
     return train_many({k: tiny_args(out, "--training.local_batch_size", "8", *v) for k, v in runs.items()},
                       devices=1, model_overrides=TWO_BLOCKS)
 
@@ -52,7 +55,8 @@ MESHES = {
 def eight_devices(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe8")
     runs = {k: [*MIXTRAL, *v] for k, v in MESHES.items()} | {
-        f"qwen3_{k}": [*QWEN3_MOE, *MESHES[k]] for k in ("fsdp4_tp2", "ep4_fsdp2")}
+        f"{name}_{k}": [*model, *MESHES[k]] for name, model in (("qwen3", QWEN3_MOE), ("deepseek", DEEPSEEK))
+        for k in ("fsdp4_tp2", "ep4_fsdp2")}
     return train_many({k: tiny_args(out, *v) for k, v in runs.items()}, devices=8,
                       model_overrides=TWO_BLOCKS, xla_dump=out / "xla")
 
@@ -92,6 +96,43 @@ def test_qwen3_moe_on_a_mesh_equals_one_device_with_its_experts_split(mesh, one_
     assert w1["partition_spec"] == ([None, "tp", "fsdp"] if "tp" in mesh else ["ep", None, "fsdp"])
     assert w1["actual"] == w1["expected"]
     assert "tp" not in params["layers.1.attention.q_norm.weight"]["partition_spec"]
+
+
+@pytest.mark.parametrize("mesh", ["fsdp4_tp2", "ep4_fsdp2"])
+def test_deepseek_on_a_mesh_equals_one_device(mesh, one_device, eight_devices):
+    """DeepSeek-V3's debug model on fsdp=4 x tp=2 and ep=4 x fsdp=2 gives the 1-device losses and
+    the same expert bias after 5 steps (its updates are signs of integer counts: exact); the latent
+    attention's up-projections split by head over tp, its down-projections whole; experts split as
+    Mixtral's. The bias moved as update_expert_bias says: multiples of the rate, at most 5 steps'."""
+    reference, run = one_device["deepseek"], eight_devices[f"deepseek_{mesh}"]
+    assert reference["losses"].keys() == {1, 2, 3, 4, 5}
+    for step, loss in reference["losses"].items():
+        assert run["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
+    assert run["compiles"] <= 2
+    bias = reference["expert_bias"]["layers.1.feed_forward.expert_bias"]
+    assert run["expert_bias"] == reference["expert_bias"]
+    steps = [round(b / 1e-3, 3) for b in bias]  # [moe] bias_update_rate's default
+    assert all(s == int(s) and abs(s) <= 5 for s in steps) and any(steps), steps
+    params = run["params"]
+    tp = "tp" in mesh
+    for name in ("attention.wq_b.weight", "attention.wkv_b.weight", "feed_forward.shared_experts.w1.weight"):
+        assert ("tp" in params[f"layers.1.{name}"]["partition_spec"]) == tp, name
+    for name in ("attention.wq_a.weight", "attention.wkv_a.weight", "attention.kv_norm.weight"):
+        assert "tp" not in params[f"layers.1.{name}"]["partition_spec"], name
+    w1 = params["layers.1.feed_forward.w1"]  # [16, 96, 256]
+    assert w1["partition_spec"] == ([None, "tp", "fsdp"] if tp else ["ep", None, "fsdp"])
+    assert w1["actual"] == w1["expected"]
+
+
+def test_deepseek_tokens_reach_their_experts_by_all_to_all(eight_devices):
+    """ep=4 x fsdp=2: the one MoE block's expert-side tensor [1 sequence, 16 experts, 64 slots, 256]
+    crosses the ep group by all-to-all, to the experts and back, forward and backward."""
+    from torchtitan_xla.runtime.xla.compiled import collective_ops
+
+    modules = [Path(f).read_text() for f in eight_devices["deepseek_ep4_fsdp2"]["hlo"]]
+    ops = collective_ops(max(modules, key=len))
+    moves = [group for kind, size, group, _ in ops if kind == "all-to-all" and size == 1 * 16 * 64 * 256 * 4]
+    assert moves == [4] * 4, moves
 
 
 FSDP_EP = ["fsdp", "ep"]  # dense weights are sharded over fsdp x ep
@@ -206,7 +247,7 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--moe.top_k", "2"], "command line: --moe.top_k = 2: the model llama3 debugmodel is dense (no "
                            "experts); set [moe] num_experts, or use an MoE flavor (mixtral, qwen3 "
-                           "debugmodel_moe, 30B-A3B, 235B-A22B)"),
+                           "debugmodel_moe, 30B-A3B, 235B-A22B, deepseek_v3)"),
     ([*MIXTRAL, "--moe.top_k", "9"], "command line: --moe.top_k = 9: top_k (9) cannot exceed "
                                      "num_experts (8) of mixtral debugmodel"),
     ([*MIXTRAL, "--float8.enable_float8_linear"], "command line: --float8.enable_float8_linear = true: "
@@ -229,6 +270,16 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
      "command line: --checkpoint.last_save_in_hf = true: a Llama model with MoE in one block of every 2"),
     ([*QWEN3_MOE, "--lora.rank", "8"], "command line: --lora.rank = 8: LoRA adapters for "
                                        "mixture-of-experts models (qwen3 debugmodel_moe) are not supported yet"),
+    ([*DEEPSEEK, "--moe.expert_groups", "3"], "command line: --moe.expert_groups = 3: the 16 experts of "
+                                              "deepseek_v3 debugmodel do not split into 3 groups of at least 2"),
+    ([*DEEPSEEK, "--moe.topk_groups", "1", "--moe.top_k", "6"],
+     "command line: --moe.top_k = 6: top_k (6) exceeds the 4 experts of the 1 group(s) a token may use"),
+    ([*DEEPSEEK, "--moe.topk_groups", "5"], "command line: --moe.topk_groups = 5: topk_groups (5) must be in "
+                                            "1..expert_groups (4)"),
+    ([*DEEPSEEK, "--model.attention", "flash"], "command line: --model.attention = 'flash': the Pallas kernels "
+                                                "take values as wide as the queries and keys"),
+    ([*MIXTRAL, "--moe.expert_groups", "2"], "command line: --moe.expert_groups = 2: group-limited routing is "
+                                             "DeepSeek-V3's (its sigmoid router); mixtral debugmodel routes by softmax"),
     (["--model.flavor", "30B-A3B"], "command line: --model.flavor = '30B-A3B': unknown flavor for llama3; "
                                     "expected one of debugmodel, 8B, 70B, 405B, 1B, 3B (30B-A3B is a flavor of qwen3)"),
 ])

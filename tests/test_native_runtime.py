@@ -53,6 +53,8 @@ MOE = ["--model.name", "mixtral", "--moe.capacity_factor", "1.25"]
 # eager step about 18 collectives and 300 DTensor ops per process, and 8 processes share 2 cores.
 LAYERS = {"n_layers": 2}
 QWEN3 = ["--model.name", "qwen3"]  # its debug model: tied embedding, query/key norms
+# Its debug model cut to 2 blocks: one dense, one with 16 experts, a shared one and the expert bias.
+DEEPSEEK = ["--model.name", "deepseek_v3"]
 TEN_BLOCKS = {"n_layers": 10}  # more than dynamo's recompile limit (8): the blocks must share graphs
 
 
@@ -102,7 +104,8 @@ def one_process(seed, tmp_path_factory) -> dict:
         "ten steps": [*EAGER, *from_seed(seed, 10), "--training.local_batch_size", "8"],
         "ten blocks": [*EAGER, "--training.local_batch_size", "8"],
         "profiled": [*EAGER, "--training.local_batch_size", "8", "--training.steps", "6", *PROFILED],
-        "qwen3": [*EAGER, *QWEN3, "--training.local_batch_size", "8"]},
+        "qwen3": [*EAGER, *QWEN3, "--training.local_batch_size", "8"],
+        "deepseek": [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8"]},
         model=LAYERS, overrides={"ten blocks": TEN_BLOCKS})
 
 
@@ -134,6 +137,8 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs["float8"] = [*EAGER, *float8_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs["qwen3"] = [*EAGER, *QWEN3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
+    jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8",
+                        "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
     return native_jobs(tmp_path_factory.mktemp("two"), 2, jobs, model=LAYERS, overrides={"compiled": TEN_BLOCKS})
 
@@ -288,6 +293,18 @@ def test_qwen3_with_its_tied_embedding_on_tp2_gives_the_one_process_losses(one_p
 
 
 COMPILES = re.compile(r"step:\s+(\d+) .* compiles: (\d+)")
+
+
+def test_deepseek_on_tp2_gives_the_one_process_losses_and_bias(one_process, two_processes):
+    """DeepSeek-V3's debug model (latent attention split by head, the bias updated inside the step
+    from DTensor counts) on tp=2: one process's losses (5 steps) and, exactly, its expert bias,
+    which moved by whole steps of the rate."""
+    run, one = two_processes["deepseek"], one_process["deepseek"]
+    close(run["losses"], one["losses"], rtol=5e-6)
+    assert run["expert_bias"] == one["expert_bias"]
+    steps = [round(b / 1e-3, 3) for b in one["expert_bias"]["layers.1.feed_forward.expert_bias"]]
+    assert all(s == int(s) and abs(s) <= 5 for s in steps) and any(steps), steps
+    assert run["layout"]["layers.1.attention.wkv_b.weight"]["placements"][-1] == "Shard(dim=0)"
 
 
 def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up(one_process, two_processes):

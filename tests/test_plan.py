@@ -19,7 +19,8 @@ RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256"
            "llama3_70b": "v6e-256", "llama3_405b": "v5p-1024", "llama3_8b_sft": "v6e-64",
            "llama3_8b_lora": "v6e-8", "debug_sft": "v6e-8", "debug_lora": "v6e-8",
            "mixtral_8x7b": "v5p-256", "qwen3_8b_sft": "v6e-64", "qwen3_8b_lora": "v6e-8",
-           "qwen3_30b_a3b": "v5p-128", "llama3_2_1b": "v6e-8"}
+           "qwen3_30b_a3b": "v5p-128", "llama3_2_1b": "v6e-8", "deepseek_v3_16b": "v5p-64",
+           "deepseek_v3_671b": "v5p-1024"}
 
 
 def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chunk):

@@ -32,10 +32,11 @@ def num_flops_per_token(args: ModelArgs, num_params_no_embedding: int, seq_len: 
                         frozen: int = 0) -> int:
     """Training FLOPs per token: 6 per non-embedding parameter (2 forward, 4 backward: the input's
     and the weight's gradients), 4 for the `frozen` ones among them (LoRA's base weights: no weight
-    gradient), plus attention's two matmuls over the sequence, 12·L·H·Q·T (PaLM's convention; the
-    causal mask's skipped half is not subtracted, so numbers compare with torchtitan's)."""
+    gradient), plus attention's two matmuls over the sequence, 6·L·H·(Q+V)·T with Q and V each
+    head's query-key and value features (12·L·H·Q·T for Llama: PaLM's convention; the causal mask's
+    skipped half is not subtracted, so numbers compare with torchtitan's)."""
     return (6 * num_params_no_embedding - 2 * frozen
-            + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len)
+            + 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_dim) * seq_len)
 
 
 def max_rank_loss(token_losses, counted=None):
@@ -133,9 +134,9 @@ class StepStats:
     memory: Memory
     eta_seconds: float
     validation_loss: float | None = None  # when [validation] ran after this step
-    # MoE models: the router's load-balancing loss, z-loss and fraction of token choices dropped by
-    # capacity, each the mean over MoE blocks and microbatches.
-    router: tuple[float, float, float] | None = None
+    # MoE models: the router's load-balancing loss, z-loss, fraction of token choices dropped by
+    # capacity and the experts' load max/min, each the mean over MoE blocks and microbatches.
+    router: tuple[float, float, float, float] | None = None
 
 
 def _eta(seconds: float) -> str:
@@ -175,7 +176,7 @@ class MetricLogger:
         self._data_wait += seconds
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float,
-            max_loss: float | None = None, router: tuple[float, float, float] | None = None) -> StepStats:
+            max_loss: float | None = None, router: tuple[float, ...] | None = None) -> StepStats:
         now = time.perf_counter()
         steps = max(step - self._last_step, 1)
         dt = (now - self._last_time) / steps
@@ -220,8 +221,9 @@ class MetricLogger:
             loss += f" (max {s.max_loss:.4f})"
         mfu = "n/a" if s.mfu is None else f"{s.mfu:.2f}%"
         if s.router is not None:
-            aux, z, dropped = s.router
-            loss += f"  router aux: {aux:.4f} z: {z:.3f} dropped: {100 * dropped:.1f}%"
+            aux, z, dropped, spread = s.router
+            loss += (f"  router aux: {aux:.4f} z: {z:.3f} dropped: {100 * dropped:.1f}% "
+                     f"load max/min: {spread:.2f}")
         logger.info(
             f"{c.cyan}step: {s.step:>5}  {c.green}{loss}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
             f"lr: {s.lr:.2e}  {c.yellow}memory: {s.memory}  "
@@ -249,8 +251,8 @@ class MetricLogger:
         if s.mfu is not None:  # no made-up number when the peak is unknown
             scalars["mfu(%)"] = s.mfu
         if s.router is not None:
-            scalars.update(zip(("moe/aux_loss", "moe/z_loss", "moe/dropped(%)"),
-                               (s.router[0], s.router[1], 100 * s.router[2])))
+            scalars.update(zip(("moe/aux_loss", "moe/z_loss", "moe/dropped(%)", "moe/load_max_over_min"),
+                               (s.router[0], s.router[1], 100 * s.router[2], s.router[3])))
         self._emit(scalars, s.step)
 
     def close(self) -> None:

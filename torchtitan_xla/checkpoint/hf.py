@@ -19,7 +19,7 @@ import torch
 from torchtitan_xla import runtime, storage
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.lora import is_adapter, merge
-from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling
+from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn, ffn_sizing
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -34,12 +34,16 @@ def model_args_from_json(text: str) -> ModelArgs:
     d = json.loads(text)
     if d.get("rope_scaling"):
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if d.get("yarn"):
+        d["yarn"] = Yarn(**d["yarn"])
     return ModelArgs(**d)
 
 
 def model_args_from_hf_config(cfg: dict) -> ModelArgs:
     """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`,
-    `Qwen3MoeForCausalLM`) with this config computes."""
+    `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`) with this config computes."""
+    if cfg.get("model_type") == "deepseek_v3":
+        return _deepseek_v3_args(cfg)
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     qwen3 = cfg.get("model_type") in ("qwen3", "qwen3_moe")
     head_dim = cfg.get("head_dim") or dim // heads  # transformers 5 writes null for "derived"
@@ -61,10 +65,8 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
         moe = dict(num_experts=cfg.get("num_local_experts", 8), top_k=cfg.get("num_experts_per_tok", 2),
                    moe_hidden_dim=cfg["intermediate_size"],
                    aux_loss_weight=cfg.get("router_aux_loss_coef", 0.001))
-        # The dense FFN size (unused: every block has experts) is made intermediate_size as well;
-        # rounding up to multiple_of alone cannot give a size below Llama's 8/3 dim.
-        if cfg["intermediate_size"] < int(2 * 4 * dim / 3):
-            multiplier = cfg["intermediate_size"] / int(2 * 4 * dim / 3)
+        # The dense FFN size (unused: every block has experts) is made intermediate_size as well.
+        multiplier = ffn_sizing(dim, cfg["intermediate_size"])["ffn_dim_multiplier"]
     if cfg.get("model_type") == "qwen3_moe":
         # Experts of moe_intermediate_size in every decoder_sparse_step-th block, dense blocks of
         # intermediate_size between; our router renormalises its top-k (norm_topk_prob).
@@ -86,6 +88,46 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      tie_embeddings=bool(cfg.get("tie_word_embeddings")), **moe)
 
 
+def _deepseek_v3_args(cfg: dict) -> ModelArgs:
+    """DeepSeek-V3's config.json (and Moonlight's, the same architecture): its router must be the
+    one moe.py has (sigmoid, bias, renormalised top-k, every block after the dense ones)."""
+    required = (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("norm_topk_prob", True),
+                ("moe_layer_freq", 1), ("rope_interleave", True), ("attention_bias", False))
+    unsupported = [k for k, ok in required if cfg.get(k, ok) != ok]
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if (kind not in ("default", "yarn") or bool(mscale) != bool(mscale_all_dim)
+            or scaling.get("attention_factor")):
+        unsupported.append("rope_scaling")
+    if unsupported:
+        raise ConfigError(f"config.json: DeepSeek-V3 with this {unsupported[0]} "
+                          f"({cfg.get(unsupported[0])!r}) is not supported")
+    yarn = None
+    if kind == "yarn":  # without mscale / mscale_all_dim: cos and sin scaled by mscale(1), not the softmax
+        yarn = Yarn(factor=scaling["factor"],
+                    original_max_position_embeddings=scaling["original_max_position_embeddings"],
+                    beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
+                    mscale=mscale or 1.0, mscale_all_dim=mscale_all_dim or 0.0)
+    dim, experts = cfg["hidden_size"], cfg.get("n_routed_experts") or 0
+    moe = dict(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 8),
+               moe_hidden_dim=cfg["moe_intermediate_size"], router="sigmoid",
+               aux_loss_weight=cfg.get("aux_loss_alpha", 0.0) if experts else 0.0,
+               expert_groups=cfg.get("n_group") or 1, topk_groups=cfg.get("topk_group") or 1,
+               routed_scaling=cfg.get("routed_scaling_factor", 1.0),
+               shared_experts=cfg.get("n_shared_experts") or 0,
+               dense_layers=cfg.get("first_k_dense_replace") or 0)
+    mla = dict(kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank") or 0,
+               qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+               v_head_dim=cfg["v_head_dim"], yarn=yarn)
+    return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                     vocab_size=cfg["vocab_size"], **ffn_sizing(dim, cfg["intermediate_size"]),
+                     norm_eps=cfg["rms_norm_eps"],
+                     rope_theta=cfg.get("rope_theta", scaling.get("rope_theta", 10000.0)),
+                     max_seq_len=cfg.get("max_position_embeddings", 4096),
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings")), **moe, **mla)
+
+
 # What decides what a checkpoint's weights compute, by our name and config.json's.
 _ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
                  ("n_heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
@@ -93,7 +135,13 @@ _ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
                  ("tie_embeddings", "tie_word_embeddings"), ("num_experts", "experts"),
                  ("top_k", "num_experts_per_tok"), ("expert_hidden_dim", "the experts' size"),
                  ("moe_every", "decoder_sparse_step"), ("ffn_hidden_dim", "intermediate_size"),
-                 ("norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"))
+                 ("norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+                 ("kv_lora_rank", "kv_lora_rank"), ("q_lora_rank", "q_lora_rank"),
+                 ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"),
+                 ("v_head_dim", "v_head_dim"), ("router", "scoring_func"),
+                 ("shared_experts", "n_shared_experts"), ("dense_layers", "first_k_dense_replace"),
+                 ("expert_groups", "n_group"), ("topk_groups", "topk_group"),
+                 ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"))
 
 
 def _architecture_difference(theirs: ModelArgs, ours: ModelArgs) -> tuple[str, object, object] | None:
@@ -263,11 +311,12 @@ def export_peft(state_dict: dict[str, torch.Tensor], args: ModelArgs, lora: dict
 @torch.no_grad()
 def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], mesh, *,
                     source: str) -> None:
-    """Copy full host tensors into the model's parameters, keeping each parameter's sharding.
-    LoRA adapters keep their initial values (a base model has none)."""
+    """Copy full host tensors into the model's parameters and saved buffers (DeepSeek's expert
+    bias), keeping each one's sharding. LoRA adapters keep their initial values (a base model has
+    none)."""
     from torchtitan_xla.parallelisms.parallelize_llama import partition_spec
 
-    params = {k: p for k, p in model.named_parameters() if not is_adapter(k)}
+    params = {k: p for k, p in model.state_dict(keep_vars=True).items() if not is_adapter(k)}
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(params))
     if missing or unexpected:

@@ -80,7 +80,19 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
             f"{cfg.model.name}; expected one of {', '.join(known)}{hint}")
     _check_moe(cfg, sources)
+    _check_attention(cfg, sources)
     _check_runtime(cfg, sources)
+
+
+def _check_attention(cfg: JobConfig, sources) -> None:
+    from torchtitan_xla.models import get_model_args
+
+    args = get_model_args(cfg.model.name, cfg.model.flavor)
+    if args.mla and cfg.model.attention in ("flash", "splash"):
+        raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r}: the Pallas "
+                          f"kernels take values as wide as the queries and keys, and the latent attention of "
+                          f"{cfg.model.name} {cfg.model.flavor} has {args.v_dim} against {args.qk_head_dim} "
+                          f"features per head; use sdpa or blockwise")
 
 
 # What the native runtime does not run yet: each refused in one line, before anything is built.
@@ -137,8 +149,8 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         given = [k for k in ("top_k", "moe_every", "capacity_factor", "grouped_mm") if getattr(m, k)]
         if given:
             raise ConfigError(f"{sources.describe('moe', given[0])} = {getattr(m, given[0])!r}: the "
-                              f"model {model} is dense (no experts); set [moe] num_experts, or use "
-                              f"an MoE flavor (mixtral, qwen3 debugmodel_moe, 30B-A3B, 235B-A22B)")
+                              f"model {model} is dense (no experts); set [moe] num_experts, or use an "
+                              f"MoE flavor (mixtral, qwen3 debugmodel_moe, 30B-A3B, 235B-A22B, deepseek_v3)")
         if ep > 1:
             raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep}: "
                               f"the model {model} is dense (no experts to split); set [moe] "
@@ -156,7 +168,9 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         key = "top_k" if m.top_k else "num_experts"
         raise ConfigError(f"{sources.describe('moe', key)} = {getattr(m, key)}: top_k ({top_k}) cannot "
                           f"exceed num_experts ({experts}) of {model}")
-    every = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(m)).moe_every
+    routed = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(m))
+    _check_groups(routed, m, model, sources)
+    every = routed.moe_every
     if every > 1 and cfg.checkpoint.last_save_in_hf and not args.qk_norm:
         # Qwen3-MoE's decoder_sparse_step is this interleaving, with Qwen3's query/key norms.
         raise ConfigError(f"{sources.describe('checkpoint', 'last_save_in_hf')} = true: a Llama model with "
@@ -182,3 +196,29 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         raise ConfigError(f"{sources.describe('compile', 'scan_layers')} = true: scan is not "
                           f"supported with mixture-of-experts models ({model}) yet (the router's "
                           f"statistics are read from the blocks)")
+
+
+def _check_groups(args, m, model: str, sources) -> None:
+    """Group-limited routing (DeepSeek-V3): the experts split into expert_groups groups of at least
+    two (a group's score is its two best), each token's top_k within its topk_groups best."""
+    groups, allowed, experts, top_k = args.expert_groups, args.topk_groups, args.num_experts, args.top_k
+
+    def key(*names: str) -> str:  # the [moe] key that set it, or the flavor
+        given = [k for k in names if getattr(m, k)]
+        return f"{sources.describe('moe', given[0])} = {getattr(m, given[0])}" if given else \
+            f"{sources.describe('model', 'flavor')} = {model.split()[-1]!r}"
+
+    if groups > 1 and args.router != "sigmoid":
+        raise ConfigError(f"{key('expert_groups')}: group-limited routing is DeepSeek-V3's (its sigmoid "
+                          f"router); {model} routes by softmax")
+    if experts % groups or (groups > 1 and experts // groups < 2):
+        raise ConfigError(f"{key('expert_groups', 'num_experts')}: the {experts} experts of {model} do "
+                          f"not split into {groups} groups of at least 2 (a group's score is its two best "
+                          f"experts)")
+    if not 1 <= allowed <= groups:
+        raise ConfigError(f"{key('topk_groups', 'expert_groups')}: topk_groups ({allowed}) must be in "
+                          f"1..expert_groups ({groups}) of {model}")
+    if top_k > allowed * (experts // groups):
+        raise ConfigError(f"{key('top_k', 'topk_groups', 'expert_groups', 'num_experts')}: top_k ({top_k}) "
+                          f"exceeds the {allowed * (experts // groups)} experts of the {allowed} group(s) a "
+                          f"token may use ({experts // groups} experts per group) in {model}")

@@ -36,9 +36,10 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama2", "llama3", "mixtral", "qwen3"] = opt(
+    name: Literal["llama2", "llama3", "mixtral", "qwen3", "deepseek_v3"] = opt(
         "llama3", "Model family (mixtral: Llama blocks with mixture-of-experts feed-forwards, docs/moe.md; "
-        "qwen3: Llama blocks with per-head query/key norms, dense or with experts, docs/checkpoint.md).")
+        "qwen3: Llama blocks with per-head query/key norms, dense or with experts, docs/checkpoint.md; "
+        "deepseek_v3: multi-head latent attention, shared and bias-balanced routed experts, docs/moe.md).")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
         "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
@@ -161,8 +162,17 @@ class MoE:
         False, "Run the experts on the routed tokens sorted by expert, as grouped matmuls (torch_xla's "
         "Pallas megablox gmm on TPU, not verified there; a PyTorch reference elsewhere) instead of "
         "GShard's dispatch into slots. Dropless only; not with expert or tensor parallelism yet.")
+    expert_groups: int = opt(
+        0, "Group-limited routing (DeepSeek-V3's sigmoid router): the experts in this many groups, "
+        "each token's top_k chosen within its topk_groups best groups; 0: the flavor's (671B 8).", ge=0)
+    topk_groups: int = opt(0, "Groups each token may route to; 0: the flavor's (671B 4).", ge=0)
+    bias_update_rate: float = opt(
+        1e-3, "Auxiliary-loss-free balancing (routers with an expert bias: deepseek_v3): after each "
+        "step every expert's bias moves by this towards balance, up if it got fewer tokens than the "
+        "mean, down if more. 0 freezes the bias. Other routers have no bias and ignore it.", ge=0)
     aux_loss_weight: float = opt(
-        0.01, "Weight of the load-balancing loss (Switch / Mixtral form), averaged over MoE blocks.", ge=0)
+        0.01, "Weight of the load-balancing loss (Switch / Mixtral form; deepseek_v3: its "
+        "sequence-wise form, 1e-4 in its recipes), averaged over MoE blocks.", ge=0)
     z_loss_weight: float = opt(
         0.001, "Weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2), averaged over "
         "MoE blocks.", ge=0)

@@ -4,6 +4,7 @@ import dataclasses
 
 from torchtitan_xla.models.llama.args import (
     ModelArgs,
+    deepseek_v3_configs,
     llama2_configs,
     llama3_configs,
     mixtral_configs,
@@ -11,7 +12,7 @@ from torchtitan_xla.models.llama.args import (
 )
 
 models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
-                 "qwen3": qwen3_configs}
+                 "qwen3": qwen3_configs, "deepseek_v3": deepseek_v3_configs}
 
 
 def all_flavors() -> dict[str, list[str]]:
@@ -25,17 +26,19 @@ def get_model_args(name: str, flavor: str, **overrides) -> ModelArgs:
 
 def moe_overrides(moe) -> dict:
     """ModelArgs overrides from a [moe] config section (any object with these attributes): each of
-    num_experts, top_k, moe_every, capacity_factor that is not 0 replaces the flavor's (0 keeps it;
-    the flavors' capacity_factor is 0, dropless), and aux_loss_weight always (0 is a weight too):
-    the weight training gives the load-balancing loss, which a Mixtral export's config carries."""
-    out = {k: getattr(moe, k) for k in ("num_experts", "top_k", "moe_every", "capacity_factor")
-           if getattr(moe, k)}
+    num_experts, top_k, moe_every, capacity_factor, expert_groups, topk_groups that is not 0
+    replaces the flavor's (0 keeps it; the flavors' capacity_factor is 0, dropless), and
+    aux_loss_weight always (0 is a weight too): the weight training gives the load-balancing loss,
+    which a Mixtral export's config carries."""
+    keys = ("num_experts", "top_k", "moe_every", "capacity_factor", "expert_groups", "topk_groups")
+    out = {k: getattr(moe, k) for k in keys if getattr(moe, k, 0)}
     return {**out, "aux_loss_weight": moe.aux_loss_weight}
 
 
 def get_model_class(name: str) -> type:
     """The nn.Module class of `model.name`; every family here is the one Llama Transformer (Mixtral
-    is Llama with mixture-of-experts blocks, Qwen3 with query/key norms, chosen by its ModelArgs)."""
+    is Llama with mixture-of-experts blocks, Qwen3 with query/key norms, DeepSeek-V3 with latent
+    attention and its router, chosen by its ModelArgs)."""
     from torchtitan_xla.models.llama.model import Transformer
 
     return {name: Transformer for name in models_config}[name]

@@ -34,6 +34,13 @@ TP_PLAN: dict[str, Spec] = {
     "layers.*.attention.wk.weight": ("tp", None),
     "layers.*.attention.wv.weight": ("tp", None),
     "layers.*.attention.wo.weight": (None, "tp"),
+    # Latent attention (DeepSeek): the up-projections from the latents split by head like wq; the
+    # down-projections to the latents (wq_a, wkv_a) and the latents' norms stay whole.
+    "layers.*.attention.wq_b.weight": ("tp", None),
+    "layers.*.attention.wkv_b.weight": ("tp", None),
+    "layers.*.feed_forward.shared_experts.w1.weight": ("tp", None),
+    "layers.*.feed_forward.shared_experts.w3.weight": ("tp", None),
+    "layers.*.feed_forward.shared_experts.w2.weight": (None, "tp"),
     "layers.*.feed_forward.w1.weight": ("tp", None),
     "layers.*.feed_forward.w3.weight": ("tp", None),
     "layers.*.feed_forward.w2.weight": (None, "tp"),

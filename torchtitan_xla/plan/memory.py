@@ -30,7 +30,7 @@ from torchtitan_xla.config import JobConfig
 BYTES_PARAM = BYTES_GRAD = BYTES_STATE = 4
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "Lion": 1, "Muon": 1, "Adafactor": 0}  # Adafactor: O(rows + cols)
 # Vocabulary of the real tokenizers, used when the tokenizer file is not at hand.
-DEFAULT_VOCAB = {"llama2": 32000, "llama3": 128256, "mixtral": 32000, "qwen3": 151936}
+DEFAULT_VOCAB = {"llama2": 32000, "llama3": 128256, "mixtral": 32000, "qwen3": 151936, "deepseek_v3": 129280}
 
 # Per token, as multiples of (dim, FFN hidden size, heads x seq with sdpa, heads x seq with
 # blockwise): what the blocks of each kind keep for their backward (times their number), and what
@@ -168,11 +168,24 @@ def local_parameters(model, parallel_dims, trainable_only: bool = False
     return total, largest
 
 
+def activation_dim(args) -> int:
+    """The width the fitted per-token "dim" features are counted at. A Llama block's attention
+    tensors (q, k, v, output) are at most dim wide each; latent attention's (DeepSeek) are wider
+    (V3: heads x 192 for q and k, x 128 for v and the output, against dim 7168): counted as a block
+    of their mean width, which over-counts the residual stream's tensors (conservative; not
+    calibrated against the compiler for latent attention). Its latents are small beside them. An
+    MoE block's routed and shared experts are counted as the dense FFN (DeepSeek sizes them so:
+    top_k + shared experts' hidden = intermediate_size)."""
+    if not args.mla:
+        return args.dim
+    return max(args.dim, args.n_heads * (args.qk_head_dim + args.v_dim) // 2)
+
+
 def activation_shape(job_config: JobConfig, args, parallel_dims, microbatch: int) -> Shape:
     ac = job_config.activation_checkpoint
     policy = ac.mode if ac.mode != "selective" else (
         "op" if ac.selective_ac_option == "op" else f"every-{ac.selective_ac_option}")
-    return Shape(args.n_layers, args.dim, args.ffn_hidden_dim, args.n_heads, args.vocab_size,
+    return Shape(args.n_layers, activation_dim(args), args.ffn_hidden_dim, args.n_heads, args.vocab_size,
                  job_config.training.seq_len, microbatch, parallel_dims.tp, policy,
                  job_config.model.attention, job_config.loss.chunk_size,
                  2 if job_config.training.mixed_precision_param == "bfloat16" else 4,

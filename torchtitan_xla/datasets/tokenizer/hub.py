@@ -1,5 +1,5 @@
 """Where the recipes' tokenizers come from: each model family's tokenizer file in its HuggingFace
-repository (gated for Llama and Mixtral, open for Qwen), for the error a user sees when the file
+repository (gated for Llama and Mixtral, open for Qwen and DeepSeek), for the error a user sees when the file
 is missing and for `scripts/download_tokenizer.py`, which fetches it. Nothing here downloads at run time."""
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ SOURCES = {
     # Qwen3's tokenizer.json is the same in every size, dense and MoE.
     "qwen3": TokenizerSource("Qwen/Qwen3-8B", "tokenizer.json", "./assets/tokenizer/qwen3/tokenizer.json",
                              gated=False),
+    # DeepSeek-V3's (129,280 embedding rows), also for the 16B flavor trained from scratch.
+    "deepseek_v3": TokenizerSource("deepseek-ai/DeepSeek-V3", "tokenizer.json",
+                                   "./assets/tokenizer/deepseek_v3/tokenizer.json", gated=False),
 }
 
 

@@ -1,8 +1,9 @@
-"""Llama's, Mixtral's and Qwen3's hyperparameters and their published flavors; importable without
-torch (the launcher and config validation read them before XLA starts)."""
+"""Llama's, Mixtral's, Qwen3's and DeepSeek-V3's hyperparameters and their published flavors;
+importable without torch (the launcher and config validation read them before XLA starts)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -14,6 +15,32 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (DeepSeek-V3's long context), as transformers' "yarn" rope type: the
+    frequencies between the beta_fast and beta_slow rotations blended from extrapolated to
+    interpolated by `factor`, cos/sin scaled by mscale(mscale) / mscale(mscale_all_dim) and the
+    softmax by mscale(mscale_all_dim)^2, where mscale(m) = 0.1 m ln(factor) + 1."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def mscale_of(self, m: float) -> float:
+        return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+def ffn_sizing(dim: int, ffn: int) -> dict:
+    """multiple_of and ffn_dim_multiplier with which ModelArgs.ffn_hidden_dim is exactly `ffn` (a
+    published intermediate_size): rounding up to multiple_of = ffn alone cannot go below Llama's 8/3
+    dim, a multiplier first brings it under."""
+    llama = int(2 * 4 * dim / 3)
+    return {"multiple_of": ffn, "ffn_dim_multiplier": ffn / llama if ffn < llama else None}
 
 
 @dataclass
@@ -54,6 +81,27 @@ class ModelArgs:
     # models.moe_overrides): unused by the model, it is what a Mixtral export's router_aux_loss_coef
     # says. A dense model has no router: 0.
     aux_loss_weight: float = 0.0
+    # DeepSeek-V3's routing (moe.py): "sigmoid" scores, experts chosen by score + a per-expert bias
+    # that training moves towards balance (`[moe] bias_update_rate`), within the `topk_groups`
+    # best of `expert_groups` groups of experts, weights renormalised and times `routed_scaling`;
+    # "softmax": Mixtral's. `shared_experts` always-on experts (one SwiGLU of that many times the
+    # experts' size) beside the routed ones; the first `dense_layers` blocks have no experts.
+    router: str = "softmax"
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3, mla.py) when kv_lora_rank > 0: keys and values
+    # from a latent of kv_lora_rank, queries from one of q_lora_rank (0: straight from the input);
+    # each head's query and key have qk_nope_head_dim features without and qk_rope_head_dim with
+    # RoPE (the key's RoPE part shared by the heads), its value v_head_dim. n_kv_heads unused.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    yarn: Yarn | None = None
 
     def __post_init__(self):
         if self.context_len is None:
@@ -65,6 +113,10 @@ class ModelArgs:
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"ModelArgs: top_k must be in [1, num_experts={self.num_experts}], "
                              f"not {self.top_k}")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"ModelArgs: router must be softmax or sigmoid, not {self.router!r}")
+        if self.rope_scaling is not None and self.yarn is not None:
+            raise ValueError("ModelArgs: rope_scaling (Llama 3.1's) and yarn cannot both be set")
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +124,26 @@ class ModelArgs:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.n_kv_heads if self.n_kv_heads and not self.mla else self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Features per head in the query-key product."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Features per head of the values (and the attention's output)."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -88,7 +159,7 @@ class ModelArgs:
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block i (0-based) has a mixture of experts instead of the dense SwiGLU."""
-        return self.num_experts > 0 and (i + 1) % self.moe_every == 0
+        return self.num_experts > 0 and i >= self.dense_layers and (i + 1) % self.moe_every == 0
 
 
 # vocab_size comes from the tokenizer. max_seq_len is the published context length (Llama 2: 4096,
@@ -173,4 +244,37 @@ qwen3_configs = {  # dim, layers, heads, kv heads, FFN size (the dense blocks')
     "32B": _qwen3(5120, 64, 64, 8, 25600),
     "30B-A3B": _qwen3(2048, 48, 32, 4, 6144, experts=128, expert_ffn=768),
     "235B-A22B": _qwen3(4096, 94, 64, 4, 12288, experts=128, expert_ffn=1536),
+}
+
+
+# DeepSeek-V3 (DeepSeek-AI, 2024): multi-head latent attention, 256 routed experts of 2048 (top-8
+# within the 4 best of 8 groups, sigmoid scores balanced by bias) and one shared expert per block
+# after 3 dense blocks, YaRN to 128k; the numbers of its config.json (transformers' DeepseekV3Config
+# defaults). Its multi-token-prediction module (num_nextn_predict_layers = 1) is not part of the
+# model here: 671B parameters without it, as the paper counts them. Both configs' aux_loss_alpha is
+# 0.001 (the weight of the sequence-wise loss; the paper trained V3 with 1e-4). 16B: the same architecture as
+# Moonshot AI's Moonlight-16B-A3B publishes it (config.json: no query latent, 64 experts of 1408,
+# top-6, 2 shared, 1 dense block, no groups). The debug model: 4 blocks (1 dense), 16 experts in 4
+# groups, top-4 within 2 groups, a query latent, a small YaRN so every part is exercised.
+def _deepseek(dim: int, n_layers: int, n_heads: int, ffn: int, *, experts: int, expert_ffn: int,
+              top_k: int, groups: int, topk_groups: int, shared: int, dense: int, scaling: float,
+              q_lora: int, kv_lora: int = 512, nope: int = 128, rope: int = 64, v: int = 128,
+              theta: float = 10000.0, eps: float = 1e-6, context: int = 4096, yarn: Yarn | None = None,
+              ) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, **ffn_sizing(dim, ffn), norm_eps=eps,
+                     rope_theta=theta, max_seq_len=context, num_experts=experts, top_k=top_k,
+                     moe_hidden_dim=expert_ffn, router="sigmoid", expert_groups=groups,
+                     topk_groups=topk_groups, routed_scaling=scaling, shared_experts=shared,
+                     dense_layers=dense, kv_lora_rank=kv_lora, q_lora_rank=q_lora, qk_nope_head_dim=nope,
+                     qk_rope_head_dim=rope, v_head_dim=v, yarn=yarn, aux_loss_weight=0.001)
+
+
+deepseek_v3_configs = {
+    "debugmodel": _deepseek(256, 4, 16, 768, experts=16, expert_ffn=96, top_k=4, groups=4, topk_groups=2,
+                            shared=1, dense=1, scaling=2.5, q_lora=128, kv_lora=64, nope=32, rope=16,
+                            v=32, context=2048, yarn=Yarn(factor=4.0, original_max_position_embeddings=512)),
+    "16B": _deepseek(2048, 27, 16, 11264, experts=64, expert_ffn=1408, top_k=6, groups=1, topk_groups=1,
+                     shared=2, dense=1, scaling=2.446, q_lora=0, theta=50000.0, eps=1e-5, context=8192),
+    "671B": _deepseek(7168, 61, 128, 18432, experts=256, expert_ffn=2048, top_k=8, groups=8, topk_groups=4,
+                      shared=1, dense=3, scaling=2.5, q_lora=1536, context=163840, yarn=Yarn()),
 }

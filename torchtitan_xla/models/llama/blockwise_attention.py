@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan_xla.models.llama.model import attention_mask
+from torchtitan_xla.models.llama.layers import attention_mask
 
 
 def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:

@@ -26,6 +26,14 @@ matmuls (`sorted_experts`; megablox's layout): no slots, so no E-fold work on th
 The grouped matmul is a plain PyTorch reference here, swapped for torch_xla's Pallas kernel on TPU
 from outside (moe_kernels.py) by setting `routed_experts`.
 
+DeepSeek-V3's router (`router="sigmoid"`) scores each expert by a sigmoid, chooses the top-k of
+score + `expert_bias` (a buffer: checkpointed, never trained by the gradient) within the
+`topk_groups` groups of experts whose two best biased scores sum highest, and weights the chosen
+experts by their scores renormalised, times `routed_scaling`, as transformers' DeepseekV3TopkRouter.
+Training moves the bias towards balance after each step (`update_expert_bias`: auxiliary-loss-free
+load balancing); its `aux` is the paper's sequence-wise balance loss. `shared_experts` always-on
+experts (one SwiGLU) add to every token's output.
+
 Router losses reach the gradient without a second return path through the model: the trainer sets
 `aux_loss_weight` and `z_loss_weight` (already divided by its number of microbatches), and the
 forward output carries `aux_loss_weight * aux + z_loss_weight * z` into backward (AddAuxLossGrad).
@@ -39,10 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least float32 (bf16 -> f32; f32 and f64 unchanged)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from torchtitan_xla.models.llama.layers import FeedForward, _upcast
 
 
 class AddAuxLossGrad(torch.autograd.Function):
@@ -126,15 +131,24 @@ def sorted_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts over tokens [batch, seq, dim]; see the module docstring.
 
-    After each forward, `router_stats` holds that forward's float32 [aux, z, dropped_fraction]
-    and `expert_load` float32 [2, E]: each expert's fraction of the tokens choosing it (summing to
-    top_k over the experts) and its mean router probability (both detached, for logging)."""
+    After each forward, `router_stats` holds that forward's float32 [aux, z, dropped_fraction,
+    load max/min (tokens of the most chosen expert over the least's, the least counted as >= 1)],
+    `expert_load` float32 [2, E]: each expert's fraction of the tokens choosing it (summing to
+    top_k over the experts) and its mean router probability, and `expert_counts` float32 [E] the
+    choices of each expert (all detached: for logging and the bias update)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, *, router: str = "softmax", groups: int = 1,
+                 topk_groups: int = 1, routed_scaling: float = 1.0, shared_experts: int = 0):
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.router_kind, self.groups, self.topk_groups = router, groups, topk_groups
+        self.routed_scaling = routed_scaling
         self.router = nn.Linear(dim, num_experts, bias=False)
+        # DeepSeek-V3: the selection bias, float32 whatever the model's dtype (as its checkpoints).
+        self.expert_bias = (nn.Buffer(torch.zeros(num_experts, dtype=torch.float32))
+                            if router == "sigmoid" else None)
+        self.shared_experts = FeedForward(dim, hidden_dim * shared_experts) if shared_experts else None
         # Stacked, [expert, out, in] as each expert's nn.Linear weight: one annotation on dim 0
         # shards the experts.
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -152,6 +166,7 @@ class MoE(nn.Module):
         self.z_loss_weight = 0.0
         self.router_stats: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None
+        self.expert_counts: torch.Tensor | None = None
 
     def capacity(self, seqlen: int) -> int:
         """Slots per expert for a sequence of `seqlen` tokens. More than seqlen is never needed."""
@@ -163,10 +178,7 @@ class MoE(nn.Module):
         """x [batch, seq, dim]; `tokens` [batch, seq] False where x is padding, which is then
         routed to no expert (its output is zero) and left out of the router losses and stats."""
         logits = self.router(x)  # [b, s, E]
-        # Softmax at least in float32 (Mixtral's router), top-k, renormalised over the k.
-        probs = _upcast(logits).softmax(-1)
-        top_p, experts = probs.topk(self.top_k, dim=-1)
-        weights = top_p / top_p.sum(-1, keepdim=True)
+        probs, experts, weights = self.route(logits)
         real = torch.ones_like(x[..., 0], dtype=probs.dtype) if tokens is None else tokens.to(probs.dtype)
         if tokens is not None:  # expert id E matches no expert: no slot, no row of a group
             experts = torch.where(tokens[..., None], experts, self.num_experts)
@@ -175,25 +187,52 @@ class MoE(nn.Module):
             kept = torch.ones_like(experts, dtype=torch.bool)
         else:
             out, kept = self.dispatched_experts(x, experts, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
 
         # Load balancing (Switch / Mixtral, as transformers' load_balancing_loss_func for one
         # layer): E * sum_e (fraction of tokens choosing e among their top-k) * (mean probability
         # of e). The fractions count choices before capacity drops, and carry no gradient. Means
-        # over the real tokens.
+        # over the real tokens; DeepSeek-V3's is per sequence (sequence_balance_loss).
         count = real.sum().clamp(min=1)
-        fraction = (experts[..., None] == torch.arange(self.num_experts, device=x.device)).sum(-2)
-        fraction = fraction.to(probs.dtype).sum((0, 1)) / count
+        chosen = (experts[..., None] == torch.arange(self.num_experts, device=x.device)).sum(-2)  # [b, s, E]
+        counts = chosen.to(probs.dtype).sum((0, 1))
+        fraction = counts / count
         mean_prob = (probs * real[..., None]).sum((0, 1)) / count
-        aux = self.num_experts * (fraction * mean_prob).sum()
+        if self.router_kind == "sigmoid":
+            aux = sequence_balance_loss(probs, chosen, real, self.top_k)
+        else:
+            aux = self.num_experts * (fraction * mean_prob).sum()
         # Router z-loss (ST-MoE): keeps the logits small, where the softmax is well conditioned.
         z = (torch.logsumexp(_upcast(logits), dim=-1).pow(2) * real).sum() / count
         dropped = 1 - (kept.to(probs.dtype) * real[..., None]).sum() / (count * self.top_k)
-        self.router_stats = torch.stack([aux, z, dropped]).detach().float()
+        # How unevenly the experts are loaded: the most chosen expert's tokens over the least's.
+        spread = counts.max() / counts.min().clamp(min=1)
+        self.router_stats = torch.stack([aux, z, dropped, spread]).detach().float()
         self.expert_load = torch.stack([fraction, mean_prob]).detach().float()
+        self.expert_counts = counts.detach().float()
 
         if self.aux_loss_weight or self.z_loss_weight:
             out = AddAuxLossGrad.apply(out, self.aux_loss_weight * aux + self.z_loss_weight * z)
         return out
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores [b, s, E], each token's top_k experts and their weights [b, s, k]); scores in
+        float32 or wider: softmax probabilities (Mixtral), or sigmoid scores (DeepSeek-V3)."""
+        if self.router_kind == "softmax":  # top-k of the softmax, renormalised over the k
+            probs = _upcast(logits).softmax(-1)
+            top_p, experts = probs.topk(self.top_k, dim=-1)
+            return probs, experts, top_p / top_p.sum(-1, keepdim=True)
+        scores = _upcast(logits).sigmoid()
+        choice = scores + self.expert_bias.to(scores.dtype)  # the bias chooses, it does not weigh
+        if self.groups > 1:  # only experts of the topk_groups groups with the best two scores
+            grouped = choice.unflatten(-1, (self.groups, -1))
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            allowed = (best[..., None] == torch.arange(self.groups, device=logits.device)).any(-2)
+            choice = grouped.masked_fill(~allowed[..., None], float("-inf")).flatten(-2)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        return scores, experts, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling
 
     def dispatched_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """GShard: the experts on their slots; (out, kept) as `dispatch_and_combine`."""
@@ -212,6 +251,34 @@ class MoE(nn.Module):
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
         for w in (self.w2, self.w3):
             nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+
+
+def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, real: torch.Tensor,
+                          top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (its eq. 17-20, without the alpha): per sequence,
+    sum_e f_e P_e with f_e = E / (k T) x (tokens choosing e) and P_e the mean over the T tokens of
+    e's score normalised over the experts; the mean over the sequences. 1 when balanced.
+    scores [b, s, E]; chosen [b, s, E] 1 where a token chose the expert; real [b, s] 1 for real
+    tokens (padding counts in neither)."""
+    num_experts = scores.shape[-1]
+    tokens = real.sum(1).clamp(min=1)[:, None]  # [b, 1]
+    f = num_experts / top_k * (chosen.to(scores.dtype) * real[..., None]).sum(1) / tokens
+    p = (scores / scores.sum(-1, keepdim=True) * real[..., None]).sum(1) / tokens
+    return (f * p).sum(-1).mean()
+
+
+@torch.no_grad()
+def update_expert_bias(blocks: list[MoE], counts: list[torch.Tensor], rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after a step, each expert's bias rises by
+    `rate` if it was chosen less than the mean of its block's experts, falls if more:
+    b += rate * sign(mean(counts) - counts). `counts` [E]: the step's choices of each block's experts
+    (every microbatch and rank). On the device, inside the step: no host sync."""
+    for m, c in zip(blocks, counts):
+        m.expert_bias.add_(torch.sign(c.mean() - c), alpha=rate)
 
 
 def set_router_loss_weights(model: nn.Module, aux_loss_weight: float, z_loss_weight: float,

@@ -1,4 +1,4 @@
-"""Llama, Mixtral and Qwen3 weights between this project's (Meta's) names and layout and
+"""Llama, Mixtral, Qwen3 and DeepSeek-V3 weights between this project's (Meta's) names and layout and
 HuggingFace `transformers`'.
 
 Two differences: the names, and RoPE's layout. Meta rotates interleaved pairs (x0,x1),(x2,x3)...;
@@ -12,6 +12,10 @@ expert, `model.layers.N.block_sparse_moe.experts.E.w1|w2|w3.weight`, and the rou
 `model.layers.N.block_sparse_moe.gate.weight`. Reading also takes transformers 5's in-memory layout
 (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2 * hidden, dim] = w1 then w3, and
 `mlp.experts.down_proj` [E, dim, hidden]), as a MixtralForCausalLM's own state_dict() holds it.
+
+DeepSeek-V3 (multi-head latent attention) keeps RoPE's interleaved layout in HF too
+(`rope_interleave`): no permutation; its experts are named as Qwen3-MoE's, its shared experts
+`mlp.shared_experts.*`, its selection bias `mlp.gate.e_score_correction_bias`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ _LAYER_MAP = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
+# Multi-head latent attention (mla.py) and DeepSeek's shared experts and expert bias.
+_MLA_MAP = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+_EXPERT_BIAS = ("feed_forward.expert_bias", "mlp.gate.e_score_correction_bias")
 _TOP_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -63,8 +81,15 @@ _ROUTER = "feed_forward.router.weight"
 _MOE_PREFIXES = ("block_sparse_moe.", "mlp.gate.", "mlp.experts.")  # HF names within a layer
 
 
+def _layer_map(args: ModelArgs) -> dict[str, str]:
+    if not args.mla:
+        return _LAYER_MAP
+    return {**{k: v for k, v in _LAYER_MAP.items() if not k.startswith("attention.")}, **_MLA_MAP,
+            "attention.wo.weight": "self_attn.o_proj.weight"}
+
+
 def _expert_names(args: ModelArgs) -> tuple[dict[str, str], str]:
-    if args.qk_norm:
+    if args.qk_norm or args.mla:
         return _QWEN3_EXPERTS, "mlp.gate.weight"
     return _MIXTRAL_EXPERTS, "block_sparse_moe.gate.weight"
 
@@ -73,6 +98,8 @@ def _moe_to_hf(layer: str, name: str, t: torch.Tensor, args: ModelArgs) -> dict[
     experts, router = _expert_names(args)
     if name == _ROUTER:
         return {f"model.layers.{layer}.{router}": t}
+    if name == _EXPERT_BIAS[0]:
+        return {f"model.layers.{layer}.{_EXPERT_BIAS[1]}": t}
     return {f"model.layers.{layer}.{experts[name].format(e)}": t[e] for e in range(t.shape[0])}
 
 
@@ -85,6 +112,8 @@ def _moe_from_hf(layers: dict[str, dict[str, torch.Tensor]], args: ModelArgs) ->
         for name in (router, "mlp.gate.weight"):  # on disk, in memory
             if name in tensors:
                 out[f"{ours}.router.weight"] = tensors.pop(name)
+        if _EXPERT_BIAS[1] in tensors:
+            out[f"{ours}.expert_bias"] = tensors.pop(_EXPERT_BIAS[1])
         # transformers 5's in-memory layout: w1 and w3 of every expert in one tensor, then w2.
         if "mlp.experts.gate_up_proj" in tensors:
             w1, w3 = tensors.pop("mlp.experts.gate_up_proj").chunk(2, dim=1)
@@ -106,6 +135,8 @@ def _moe_from_hf(layers: dict[str, dict[str, torch.Tensor]], args: ModelArgs) ->
 
 
 def _permute_for(name: str, args: ModelArgs):
+    if args.mla:  # DeepSeek's HF weights are interleaved as ours
+        return None
     if name.endswith("attention.wq.weight"):
         return args.n_heads
     if name.endswith("attention.wk.weight"):
@@ -127,12 +158,12 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             continue
         base, adapter = split_adapter(name)
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", base)
-        if m and adapter is None and (m.group(2) in _expert_names(args)[0] or m.group(2) == _ROUTER):
+        if m and adapter is None and m.group(2) in (*_expert_names(args)[0], _ROUTER, _EXPERT_BIAS[0]):
             out.update(_moe_to_hf(m.group(1), m.group(2), t, args))
             continue
-        if not m or m.group(2) not in _LAYER_MAP:
+        if not m or m.group(2) not in _layer_map(args):
             raise KeyError(f"no HuggingFace name for parameter {name!r}")
-        hf = f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+        hf = f"model.layers.{m.group(1)}.{_layer_map(args)[m.group(2)]}"
         if adapter is not None:
             hf = hf.removesuffix(".weight") + f".{adapter}.weight"
         heads = _permute_for(base, args) if adapter != "lora_A" else None
@@ -142,7 +173,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     top = {v: k for k, v in _TOP_MAP.items()}
-    layer = {v: k for k, v in _LAYER_MAP.items()}
+    layer = {v: k for k, v in _layer_map(args).items()}
     out = {}
     moe: dict[str, dict[str, torch.Tensor]] = {}  # gathered per layer, then stacked over experts
     for name, t in hf_state_dict.items():
@@ -151,6 +182,8 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
                 out[top[name]] = t
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m and args.mla and int(m.group(1)) >= args.n_layers:
+            continue  # DeepSeek-V3's multi-token-prediction module (its layer 61): not in this model
         if m and args.num_experts and m.group(2).startswith(_MOE_PREFIXES):
             moe.setdefault(m.group(1), {})[m.group(2)] = t
             continue
@@ -172,6 +205,11 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
     computes, and which describes it as trained: its context length (the flavor's, or the positions
     training reached beyond it) and, with experts, the load-balancing loss's weight."""
     moe, qwen3 = args.num_experts > 0, args.qk_norm
+    if args.mla:
+        return _deepseek_v3_config(args, bos_id, eos_id, dtype)
+    if args.router != "softmax":
+        raise ValueError("no transformers architecture has Llama attention with a sigmoid router: "
+                         "export to HuggingFace needs a deepseek_v3 model (latent attention)")
     if moe and args.moe_every != 1 and not qwen3:
         # Qwen3-MoE interleaves dense and MoE blocks as moe_every does (decoder_sparse_step), but
         # with query/key norms; Qwen2-MoE with q/k/v biases and a shared expert.
@@ -235,4 +273,42 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
         cfg["bos_token_id"] = bos_id
     if eos_id is not None:
         cfg["eos_token_id"] = eos_id
+    return cfg
+
+
+def _deepseek_v3_config(args: ModelArgs, bos_id: int | None, eos_id: int | None,
+                        dtype: str) -> dict[str, Any]:
+    """`DeepseekV3ForCausalLM`'s config.json: interleaved RoPE as our weights, no multi-token
+    prediction module (transformers' default would expect one), experts after dense_layers blocks."""
+    if args.num_experts and (args.router != "sigmoid" or args.moe_every != 1):
+        raise ValueError("DeepseekV3ForCausalLM has the sigmoid router in every block after the dense ones: "
+                         "export to HuggingFace needs router = sigmoid and moe_every = 1")
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
+        "moe_intermediate_size": args.expert_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_heads,
+        "n_routed_experts": args.num_experts, "num_experts_per_tok": args.top_k,
+        "n_shared_experts": args.shared_experts, "routed_scaling_factor": args.routed_scaling,
+        "n_group": args.expert_groups, "topk_group": args.topk_groups, "norm_topk_prob": True,
+        "first_k_dense_replace": args.dense_layers if args.num_experts else args.n_layers,
+        "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "aux_loss_alpha": args.aux_loss_weight, "seq_aux": True,
+        "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim, "rope_interleave": True, "num_nextn_predict_layers": 0,
+        "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": max(args.context_len, args.max_seq_len), "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+    }
+    if args.yarn is not None:
+        y = args.yarn
+        cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": y.factor,
+                               "original_max_position_embeddings": y.original_max_position_embeddings,
+                               "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
+                               "mscale_all_dim": y.mscale_all_dim}
+    for key, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+        if value is not None:
+            cfg[key] = value
     return cfg

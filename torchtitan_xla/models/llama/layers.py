@@ -1,0 +1,141 @@
+"""The building blocks the model files share (models/llama/model.py, mla.py, moe.py): RoPE,
+RMSNorm, the attention mask and the attention module kernels replace, the SwiGLU feed-forward.
+Plain PyTorch, no parallelism code."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_xla.models.llama.args import ModelArgs
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16 -> f32; f32 and f64 unchanged)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, shape [max_seq_len, rope_dim // 2], in float64.
+
+    Computed in float64 on the host (the tables are small) and stored in the buffers' dtype, which
+    keeps positions near max_seq_len accurate."""
+    d = args.rope_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        wavelen = 2 * math.pi / freqs
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+        freqs = torch.where(wavelen > low_wavelen, freqs / s.factor,
+                            torch.where(wavelen < high_wavelen, freqs, blended))
+    scale = 1.0
+    if args.yarn is not None:
+        freqs, scale = _yarn(args.yarn, freqs, d, args.rope_theta)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def _yarn(y, freqs: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and cos/sin scale (args.Yarn; transformers' "yarn" with truncate): the
+    dimensions rotating fewer than beta_slow times over the original context interpolated by
+    `factor`, those rotating more than beta_fast times kept, a linear ramp between."""
+    def rotations_dim(rotations: float) -> float:
+        turns = y.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return d * math.log(turns) / (2 * math.log(theta))
+
+    low = max(math.floor(rotations_dim(y.beta_fast)), 0)
+    high = min(math.ceil(rotations_dim(y.beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    freqs = freqs / y.factor * ramp + freqs * (1 - ramp)
+    return freqs, y.mscale_of(y.mscale) / y.mscale_of(y.mscale_all_dim)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim] by the angles
+    of each token's position, cos and sin: [seq, head_dim // 2] or per sequence [batch, seq, ...]."""
+    xf = _upcast(x)
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    rotated = (x0 * cos - x1 * sin, x0 * sin + x1 * cos)
+    # Interleaved back by cat, not stack: the backward of stack selects twice from one DTensor,
+    # which DTensor (torch 2.9) gets wrong (the second select sees the first one's shape).
+    out = torch.cat([r.unsqueeze(-1) for r in rotated], dim=-1).flatten(-2)
+    # Back to the compute dtype: under bf16 autocast q, k and v must share a dtype for SDPA.
+    return out.type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """[b, s, kv_heads, d] -> [b, s, kv_heads * rep, d]; query head j uses kv head j // rep."""
+    if rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, h, rep, d).reshape(b, s, h * rep, d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = _upcast(x)  # normalise in float32 even under bf16 autocast
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def attention_mask(queries: torch.Tensor, keys: torch.Tensor,
+                   document_ids: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each query sees: causal over positions `queries` [q] and `keys` [k], and with
+    `document_ids` [batch, seq] (several documents packed in one sequence) only its own document's.
+    Document 0 is padding (packing.py).
+    [q, k], or [batch, 1, q, k] with documents."""
+    mask = keys[None, :] <= queries[:, None]
+    if document_ids is None:
+        return mask
+    same = document_ids[:, queries, None] == document_ids[:, None, keys]
+    return (mask & same)[:, None]
+
+
+class ScaledDotProductAttention(nn.Module):
+    """Causal attention over [batch, heads, seq, head_dim], within documents if `document_ids`
+    [batch, seq] are given; a module so a kernel can replace it (attention_kernels.py)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # SDPA's decomposition (and `@`) folds batch and heads into one dimension, which cannot be
+        # split over two mesh axes: with a sharded batch, tensor parallelism would then gather
+        # every head onto every device. einsum keeps them apart.
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+        seq = torch.arange(q.shape[-2], device=q.device)
+        mask = attention_mask(seq, seq, document_ids)
+        probs = _upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
+        return torch.einsum("bhqk,bhkd->bhqd", probs, v)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w.weight, mean=0.0, std=init_std)
