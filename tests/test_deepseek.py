@@ -276,3 +276,152 @@ def test_blockwise_attention_takes_values_narrower_than_queries():
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
     assert (expected[0] - expected[1]).abs().max() > 1e-3  # the documents mattered
+
+
+# ---- DeepSeek-V2: the softmax router without renormalisation, groups by their best expert ---------
+
+
+def _v2_rope_in_input_dtype(xq, xk, freqs_cis):
+    """transformers' DeepSeek-V2 apply_rotary_emb in the input's precision (it rotates in float32)."""
+    def rotate(x):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * freqs_cis.unsqueeze(1).to(pairs.dtype)).flatten(3)
+
+    return rotate(xq), rotate(xk)
+
+
+def _v2_router_in_input_dtype(self, hidden_states):
+    """transformers' DeepseekV2TopkRouter.forward with the logits and softmax in the input's dtype;
+    otherwise its code."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight.to(hidden_states.dtype))
+    scores = router_logits.softmax(dim=-1)
+    if self.topk_method == "greedy":
+        topk_weights, topk_indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+    else:
+        group_scores = scores.view(-1, self.num_group, self.num_experts // self.num_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+                      .reshape(-1, self.num_experts))
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        topk_weights, topk_indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+@pytest.mark.parametrize("overrides", [{}, {"expert_groups": 1, "topk_groups": 1, "q_lora_rank": 0}],
+                         ids=["debugmodel", "greedy_no_q_latent"])
+def test_logits_match_transformers_deepseek_v2_float64(overrides, tmp_path, monkeypatch):
+    """DeepSeek-V2's routing on the same model (softmax, top-k not renormalised, times 2, groups
+    ranked by their best expert; YaRN with mscale 0.707): the export is DeepseekV2ForCausalLM's,
+    which computes our logits in float64 (1e-12); import is bit-exact."""
+    from transformers import DeepseekV2ForCausalLM
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
+
+    from torchtitan_xla.checkpoint.hf import export_hf, model_args_from_hf_config, read_hf_state_dict
+    from torchtitan_xla.models.llama.state_dict_adapter import from_hf
+
+    args = get_model_args("deepseek_v2", "debugmodel", vocab_size=300, max_seq_len=32, **overrides)
+    torch.manual_seed(1)
+    model = Transformer(args).double()
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("router.weight"):
+                p.copy_((torch.randn_like(p) * 0.3).float())
+    assert not dict(model.named_buffers()).keys() & {"layers.1.feed_forward.expert_bias"}  # V2: no bias
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    export_hf(ours, args, tmp_path / "ours", dtype=torch.float64)
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (config["architectures"], config["scoring_func"], config["norm_topk_prob"], config["topk_method"]) == (
+        ["DeepseekV2ForCausalLM"], "softmax", False, "group_limited_greedy" if not overrides else "greedy")
+    assert model_args_from_hf_config(config) == get_model_args("deepseek_v2", "debugmodel", vocab_size=300,
+                                                               **overrides)
+
+    monkeypatch.setattr(modeling_deepseek_v2.DeepseekV2RMSNorm, "forward", _rmsnorm_in_input_dtype)
+    monkeypatch.setattr(modeling_deepseek_v2.DeepseekV2TopkRouter, "forward", _v2_router_in_input_dtype)
+    monkeypatch.setattr(modeling_deepseek_v2, "apply_rotary_emb", _v2_rope_in_input_dtype)
+    hf = DeepseekV2ForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float64,
+                                               attn_implementation="sdpa", experts_implementation="eager").eval()
+    positions = torch.arange(args.max_seq_len)[None]
+    freqs_cis = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float64), positions)[0]
+    from torchtitan_xla.models.llama.layers import rope_tables
+
+    torch.testing.assert_close(rope_tables(args)[0], freqs_cis.real.double(), rtol=0, atol=2e-6)
+    model.rope_cos.copy_(freqs_cis.real.double())
+    model.rope_sin.copy_(freqs_cis.imag.double())
+    for state in (read_hf_state_dict(tmp_path / "ours"), hf.state_dict()):
+        back = from_hf(state, args)
+        assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k].to(back[k].dtype)) for k in ours)
+
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, expected = model(tokens), hf(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert all((layer.feed_forward.expert_load[0] > 0).sum() > 4 for layer in list(model.layers.values())[1:])
+
+
+@pytest.mark.parametrize("method,groups,topk_groups", [("group_limited_greedy", 4, 2), ("greedy", 1, 1)])
+def test_v2_router_picks_transformers_experts(method, groups, topk_groups):
+    """Our softmax router with V2's options chooses DeepseekV2TopkRouter's experts with its weights
+    (float32, unpatched), where the groups exclude a better expert."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    experts, dim, top_k = 16, 32, 3
+    config = DeepseekV2Config(hidden_size=dim, n_routed_experts=experts, num_experts_per_tok=top_k,
+                              n_group=groups, topk_group=topk_groups, routed_scaling_factor=16.0,
+                              topk_method=method)
+    theirs = DeepseekV2TopkRouter(config)
+    ours = MoE(dim, 8, experts, top_k, norm_topk=False, groups=groups, topk_groups=topk_groups,
+               routed_scaling=16.0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(experts, dim, generator=g))
+        ours.router.weight.copy_(theirs.weight)
+    x = torch.randn(3, 40, dim, generator=g)
+    with torch.no_grad():
+        _, their_weights, their_experts = theirs(x)
+        scores, our_experts, our_weights = ours.route(ours.router(x))
+    order_ours, order_theirs = our_experts.view(-1, top_k).sort(-1), their_experts.sort(-1)
+    assert torch.equal(order_ours.values, order_theirs.values)
+    torch.testing.assert_close(our_weights.view(-1, top_k).gather(-1, order_ours.indices),
+                               their_weights.gather(-1, order_theirs.indices), rtol=1e-6, atol=0)
+    plain = scores.topk(top_k).indices.view(-1, top_k).sort(-1).values
+    assert torch.equal(plain, order_ours.values) == (groups == 1)
+
+
+def test_v2_published_configs_give_the_flavors_and_sizes():
+    """DeepSeek-V2-Lite's and DeepSeek-V2's config.json read as our 16B and 236B deepseek_v2
+    flavors: 15.7B / 2.66B active (2.4B without the embedding, as published) and 235.7B / 21.4B
+    (21B)."""
+    from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
+    from torchtitan_xla.models.llama.moe import inactive_expert_params
+
+    yarn = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096, "type": "yarn"}
+    common = dict(model_type="deepseek_v2", vocab_size=102400, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                  rope_theta=10000, rope_scaling=yarn, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                  v_head_dim=128, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+                  moe_layer_freq=1, norm_topk_prob=False, scoring_func="softmax", aux_loss_alpha=0.001,
+                  tie_word_embeddings=False)
+    lite = dict(common, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, routed_scaling_factor=1.0,
+                q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
+    full = dict(common, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=60,
+                num_attention_heads=128, num_key_value_heads=128, n_routed_experts=160, routed_scaling_factor=16.0,
+                q_lora_rank=1536, topk_method="group_limited_greedy", n_group=8, topk_group=3)
+    for cfg, flavor, total, active in ((lite, "16B", 15.71e9, 2.661e9), (full, "236B", 235.74e9, 21.38e9)):
+        args = model_args_from_hf_config(cfg)
+        assert args == get_model_args("deepseek_v2", flavor, vocab_size=102400), flavor
+        with torch.device("meta"):
+            model = Transformer(args)
+        n = model.num_params()
+        assert abs(n - total) / total < 0.001 and abs(n - inactive_expert_params(model) - active) / active < 0.001
+    from torchtitan_xla.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^config.json: DeepSeek-V2 with this norm_topk_prob "):
+        model_args_from_hf_config({**lite, "norm_topk_prob": True})

@@ -247,7 +247,7 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--moe.top_k", "2"], "command line: --moe.top_k = 2: the model llama3 debugmodel is dense (no "
                            "experts); set [moe] num_experts, or use an MoE flavor (mixtral, qwen3 "
-                           "debugmodel_moe, 30B-A3B, 235B-A22B, deepseek_v3)"),
+                           "debugmodel_moe, 30B-A3B, 235B-A22B, deepseek_v2, deepseek_v3)"),
     ([*MIXTRAL, "--moe.top_k", "9"], "command line: --moe.top_k = 9: top_k (9) cannot exceed "
                                      "num_experts (8) of mixtral debugmodel"),
     ([*MIXTRAL, "--float8.enable_float8_linear"], "command line: --float8.enable_float8_linear = true: "
@@ -272,6 +272,9 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
                                        "mixture-of-experts models (qwen3 debugmodel_moe) are not supported yet"),
     ([*DEEPSEEK, "--moe.expert_groups", "3"], "command line: --moe.expert_groups = 3: the 16 experts of "
                                               "deepseek_v3 debugmodel do not split into 3 groups of at least 2"),
+    (["--model.name", "deepseek_v2", "--moe.expert_groups", "32"],
+     "command line: --moe.expert_groups = 32: the 16 experts of deepseek_v2 debugmodel do not split into 32 "
+     "groups of at least 1"),
     ([*DEEPSEEK, "--moe.topk_groups", "1", "--moe.top_k", "6"],
      "command line: --moe.top_k = 6: top_k (6) exceeds the 4 experts of the 1 group(s) a token may use"),
     ([*DEEPSEEK, "--moe.topk_groups", "5"], "command line: --moe.topk_groups = 5: topk_groups (5) must be in "
@@ -279,7 +282,8 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
     ([*DEEPSEEK, "--model.attention", "flash"], "command line: --model.attention = 'flash': the Pallas kernels "
                                                 "take values as wide as the queries and keys"),
     ([*MIXTRAL, "--moe.expert_groups", "2"], "command line: --moe.expert_groups = 2: group-limited routing is "
-                                             "DeepSeek-V3's (its sigmoid router); mixtral debugmodel routes by softmax"),
+                                             "DeepSeek's (deepseek_v2, deepseek_v3); mixtral debugmodel routes over "
+                                             "all its experts"),
     (["--model.flavor", "30B-A3B"], "command line: --model.flavor = '30B-A3B': unknown flavor for llama3; "
                                     "expected one of debugmodel, 8B, 70B, 405B, 1B, 3B (30B-A3B is a flavor of qwen3)"),
 ])

@@ -42,8 +42,8 @@ def model_args_from_json(text: str) -> ModelArgs:
 def model_args_from_hf_config(cfg: dict) -> ModelArgs:
     """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`,
     `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`) with this config computes."""
-    if cfg.get("model_type") == "deepseek_v3":
-        return _deepseek_v3_args(cfg)
+    if cfg.get("model_type") in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_args(cfg)
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     qwen3 = cfg.get("model_type") in ("qwen3", "qwen3_moe")
     head_dim = cfg.get("head_dim") or dim // heads  # transformers 5 writes null for "derived"
@@ -88,12 +88,19 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      tie_embeddings=bool(cfg.get("tie_word_embeddings")), **moe)
 
 
-def _deepseek_v3_args(cfg: dict) -> ModelArgs:
-    """DeepSeek-V3's config.json (and Moonlight's, the same architecture): its router must be the
-    one moe.py has (sigmoid, bias, renormalised top-k, every block after the dense ones)."""
-    required = (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("norm_topk_prob", True),
-                ("moe_layer_freq", 1), ("rope_interleave", True), ("attention_bias", False))
+def _deepseek_args(cfg: dict) -> ModelArgs:
+    """DeepSeek-V3's config.json (and Moonlight's, the same architecture), or DeepSeek-V2's: its
+    router must be one moe.py has (V3: sigmoid, bias, renormalised top-k; V2: softmax, top-k not
+    renormalised, transformers' greedy or group-limited greedy), every block after the dense ones."""
+    v3 = cfg["model_type"] == "deepseek_v3"
+    required = ((("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("norm_topk_prob", True),
+                 ("rope_interleave", True)) if v3 else
+                (("scoring_func", "softmax"), ("norm_topk_prob", False))) + (
+        ("moe_layer_freq", 1), ("attention_bias", False))
     unsupported = [k for k, ok in required if cfg.get(k, ok) != ok]
+    if not v3 and cfg.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+        unsupported.append("topk_method")
+    version = "V3" if v3 else "V2"
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -101,7 +108,7 @@ def _deepseek_v3_args(cfg: dict) -> ModelArgs:
             or scaling.get("attention_factor")):
         unsupported.append("rope_scaling")
     if unsupported:
-        raise ConfigError(f"config.json: DeepSeek-V3 with this {unsupported[0]} "
+        raise ConfigError(f"config.json: DeepSeek-{version} with this {unsupported[0]} "
                           f"({cfg.get(unsupported[0])!r}) is not supported")
     yarn = None
     if kind == "yarn":  # without mscale / mscale_all_dim: cos and sin scaled by mscale(1), not the softmax
@@ -110,10 +117,13 @@ def _deepseek_v3_args(cfg: dict) -> ModelArgs:
                     beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
                     mscale=mscale or 1.0, mscale_all_dim=mscale_all_dim or 0.0)
     dim, experts = cfg["hidden_size"], cfg.get("n_routed_experts") or 0
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"  # V2's greedy ignores n_group
     moe = dict(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 8),
-               moe_hidden_dim=cfg["moe_intermediate_size"], router="sigmoid",
+               moe_hidden_dim=cfg["moe_intermediate_size"], router="sigmoid" if v3 else "softmax",
+               norm_topk=v3,
                aux_loss_weight=cfg.get("aux_loss_alpha", 0.0) if experts else 0.0,
-               expert_groups=cfg.get("n_group") or 1, topk_groups=cfg.get("topk_group") or 1,
+               expert_groups=cfg.get("n_group") or 1 if grouped else 1,
+               topk_groups=cfg.get("topk_group") or 1 if grouped else 1,
                routed_scaling=cfg.get("routed_scaling_factor", 1.0),
                shared_experts=cfg.get("n_shared_experts") or 0,
                dense_layers=cfg.get("first_k_dense_replace") or 0)
@@ -139,7 +149,8 @@ _ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
                  ("kv_lora_rank", "kv_lora_rank"), ("q_lora_rank", "q_lora_rank"),
                  ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"),
                  ("v_head_dim", "v_head_dim"), ("router", "scoring_func"),
-                 ("shared_experts", "n_shared_experts"), ("dense_layers", "first_k_dense_replace"),
+                 ("norm_topk", "norm_topk_prob"), ("shared_experts", "n_shared_experts"),
+                 ("dense_layers", "first_k_dense_replace"),
                  ("expert_groups", "n_group"), ("topk_groups", "topk_group"),
                  ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"))
 

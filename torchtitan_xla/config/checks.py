@@ -150,7 +150,8 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         if given:
             raise ConfigError(f"{sources.describe('moe', given[0])} = {getattr(m, given[0])!r}: the "
                               f"model {model} is dense (no experts); set [moe] num_experts, or use an "
-                              f"MoE flavor (mixtral, qwen3 debugmodel_moe, 30B-A3B, 235B-A22B, deepseek_v3)")
+                              f"MoE flavor (mixtral, qwen3 debugmodel_moe, 30B-A3B, 235B-A22B, deepseek_v2, "
+                              f"deepseek_v3)")
         if ep > 1:
             raise ConfigError(f"{sources.describe('parallelism', 'expert_parallel_degree')} = {ep}: "
                               f"the model {model} is dense (no experts to split); set [moe] "
@@ -199,8 +200,8 @@ def _check_moe(cfg: JobConfig, sources) -> None:
 
 
 def _check_groups(args, m, model: str, sources) -> None:
-    """Group-limited routing (DeepSeek-V3): the experts split into expert_groups groups of at least
-    two (a group's score is its two best), each token's top_k within its topk_groups best."""
+    """Group-limited routing (DeepSeek): the experts split into expert_groups groups (of at least two
+    for V3, whose group score is its two best), each token's top_k within its topk_groups best."""
     groups, allowed, experts, top_k = args.expert_groups, args.topk_groups, args.num_experts, args.top_k
 
     def key(*names: str) -> str:  # the [moe] key that set it, or the flavor
@@ -208,13 +209,13 @@ def _check_groups(args, m, model: str, sources) -> None:
         return f"{sources.describe('moe', given[0])} = {getattr(m, given[0])}" if given else \
             f"{sources.describe('model', 'flavor')} = {model.split()[-1]!r}"
 
-    if groups > 1 and args.router != "sigmoid":
-        raise ConfigError(f"{key('expert_groups')}: group-limited routing is DeepSeek-V3's (its sigmoid "
-                          f"router); {model} routes by softmax")
-    if experts % groups or (groups > 1 and experts // groups < 2):
+    if groups > 1 and not args.mla:
+        raise ConfigError(f"{key('expert_groups')}: group-limited routing is DeepSeek's (deepseek_v2, "
+                          f"deepseek_v3); {model} routes over all its experts")
+    least = 2 if args.router == "sigmoid" else 1  # V3 scores a group by its two best experts
+    if experts % groups or (groups > 1 and experts // groups < least):
         raise ConfigError(f"{key('expert_groups', 'num_experts')}: the {experts} experts of {model} do "
-                          f"not split into {groups} groups of at least 2 (a group's score is its two best "
-                          f"experts)")
+                          f"not split into {groups} groups of at least {least}")
     if not 1 <= allowed <= groups:
         raise ConfigError(f"{key('topk_groups', 'expert_groups')}: topk_groups ({allowed}) must be in "
                           f"1..expert_groups ({groups}) of {model}")

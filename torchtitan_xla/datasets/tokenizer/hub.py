@@ -33,6 +33,8 @@ SOURCES = {
     # DeepSeek-V3's (129,280 embedding rows), also for the 16B flavor trained from scratch.
     "deepseek_v3": TokenizerSource("deepseek-ai/DeepSeek-V3", "tokenizer.json",
                                    "./assets/tokenizer/deepseek_v3/tokenizer.json", gated=False),
+    "deepseek_v2": TokenizerSource("deepseek-ai/DeepSeek-V2-Lite", "tokenizer.json",
+                                   "./assets/tokenizer/deepseek_v2/tokenizer.json", gated=False),
 }
 
 

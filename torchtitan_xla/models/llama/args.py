@@ -87,6 +87,7 @@ class ModelArgs:
     # "softmax": Mixtral's. `shared_experts` always-on experts (one SwiGLU of that many times the
     # experts' size) beside the routed ones; the first `dense_layers` blocks have no experts.
     router: str = "softmax"
+    norm_topk: bool = True  # the chosen experts' weights renormalised (False: DeepSeek-V2's)
     expert_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
@@ -252,18 +253,19 @@ qwen3_configs = {  # dim, layers, heads, kv heads, FFN size (the dense blocks')
 # after 3 dense blocks, YaRN to 128k; the numbers of its config.json (transformers' DeepseekV3Config
 # defaults). Its multi-token-prediction module (num_nextn_predict_layers = 1) is not part of the
 # model here: 671B parameters without it, as the paper counts them. Both configs' aux_loss_alpha is
-# 0.001 (the weight of the sequence-wise loss; the paper trained V3 with 1e-4). 16B: the same architecture as
-# Moonshot AI's Moonlight-16B-A3B publishes it (config.json: no query latent, 64 experts of 1408,
-# top-6, 2 shared, 1 dense block, no groups). The debug model: 4 blocks (1 dense), 16 experts in 4
-# groups, top-4 within 2 groups, a query latent, a small YaRN so every part is exercised.
+# 0.001 (the weight of the sequence-wise loss; the paper trained V3 with 1e-4). 16B: the same
+# architecture as Moonshot AI's Moonlight-16B-A3B publishes it (config.json: no query latent, 64
+# experts of 1408, top-6, 2 shared, 1 dense block, no groups). The debug model: 4 blocks (1 dense),
+# 16 experts in 4 groups, top-4 within 2 groups, a query latent, a small YaRN so every part runs.
 def _deepseek(dim: int, n_layers: int, n_heads: int, ffn: int, *, experts: int, expert_ffn: int,
               top_k: int, groups: int, topk_groups: int, shared: int, dense: int, scaling: float,
               q_lora: int, kv_lora: int = 512, nope: int = 128, rope: int = 64, v: int = 128,
               theta: float = 10000.0, eps: float = 1e-6, context: int = 4096, yarn: Yarn | None = None,
-              ) -> ModelArgs:
+              v2: bool = False) -> ModelArgs:
     return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, **ffn_sizing(dim, ffn), norm_eps=eps,
                      rope_theta=theta, max_seq_len=context, num_experts=experts, top_k=top_k,
-                     moe_hidden_dim=expert_ffn, router="sigmoid", expert_groups=groups,
+                     moe_hidden_dim=expert_ffn, router="softmax" if v2 else "sigmoid", norm_topk=not v2,
+                     expert_groups=groups,
                      topk_groups=topk_groups, routed_scaling=scaling, shared_experts=shared,
                      dense_layers=dense, kv_lora_rank=kv_lora, q_lora_rank=q_lora, qk_nope_head_dim=nope,
                      qk_rope_head_dim=rope, v_head_dim=v, yarn=yarn, aux_loss_weight=0.001)
@@ -277,4 +279,20 @@ deepseek_v3_configs = {
                      shared=2, dense=1, scaling=2.446, q_lora=0, theta=50000.0, eps=1e-5, context=8192),
     "671B": _deepseek(7168, 61, 128, 18432, experts=256, expert_ffn=2048, top_k=8, groups=8, topk_groups=4,
                       shared=1, dense=3, scaling=2.5, q_lora=1536, context=163840, yarn=Yarn()),
+}
+
+# DeepSeek-V2 (DeepSeek-AI, 2024): the same latent attention and shared experts, routed by softmax
+# without renormalising the top-k (times routed_scaling), the groups ranked by their best expert
+# ("group_limited_greedy"), no bias; YaRN with mscale 0.707. 16B: DeepSeek-V2-Lite's config.json
+# (15.7B, 2.4B active); 236B: DeepSeek-V2's (236B, 21B active). The debug model: V3's with V2's router.
+_V2_YARN = Yarn(mscale=0.707, mscale_all_dim=0.707)
+deepseek_v2_configs = {
+    "debugmodel": _deepseek(256, 4, 16, 768, experts=16, expert_ffn=96, top_k=4, groups=4, topk_groups=2,
+                            shared=1, dense=1, scaling=2.0, q_lora=128, kv_lora=64, nope=32, rope=16, v=32,
+                            context=2048, v2=True, yarn=Yarn(factor=4.0, original_max_position_embeddings=512,
+                                                             mscale=0.707, mscale_all_dim=0.707)),
+    "16B": _deepseek(2048, 27, 16, 10944, experts=64, expert_ffn=1408, top_k=6, groups=1, topk_groups=1,
+                     shared=2, dense=1, scaling=1.0, q_lora=0, context=163840, yarn=_V2_YARN, v2=True),
+    "236B": _deepseek(5120, 60, 128, 12288, experts=160, expert_ffn=1536, top_k=6, groups=8, topk_groups=3,
+                      shared=2, dense=1, scaling=16.0, q_lora=1536, context=163840, yarn=_V2_YARN, v2=True),
 }

@@ -81,7 +81,8 @@ class TransformerBlock(nn.Module):
         self.attention = MultiHeadLatentAttention(args) if args.mla else Attention(args)
         if args.is_moe_layer(layer_id):
             self.feed_forward = MoE(args.dim, args.expert_hidden_dim, args.num_experts, args.top_k,
-                                    args.capacity_factor, router=args.router, groups=args.expert_groups,
+                                    args.capacity_factor, router=args.router, norm_topk=args.norm_topk,
+                                    groups=args.expert_groups,
                                     topk_groups=args.topk_groups, routed_scaling=args.routed_scaling,
                                     shared_experts=args.shared_experts)
         else:

@@ -26,6 +26,8 @@ matmuls (`sorted_experts`; megablox's layout): no slots, so no E-fold work on th
 The grouped matmul is a plain PyTorch reference here, swapped for torch_xla's Pallas kernel on TPU
 from outside (moe_kernels.py) by setting `routed_experts`.
 
+DeepSeek-V2's router is the softmax one without renormalising (`norm_topk=False`), times
+`routed_scaling`, within the `topk_groups` groups with the best single scores.
 DeepSeek-V3's router (`router="sigmoid"`) scores each expert by a sigmoid, chooses the top-k of
 score + `expert_bias` (a buffer: checkpointed, never trained by the gradient) within the
 `topk_groups` groups of experts whose two best biased scores sum highest, and weights the chosen
@@ -138,11 +140,12 @@ class MoE(nn.Module):
     choices of each expert (all detached: for logging and the bias update)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
-                 capacity_factor: float = 0.0, *, router: str = "softmax", groups: int = 1,
-                 topk_groups: int = 1, routed_scaling: float = 1.0, shared_experts: int = 0):
+                 capacity_factor: float = 0.0, *, router: str = "softmax", norm_topk: bool = True,
+                 groups: int = 1, topk_groups: int = 1, routed_scaling: float = 1.0, shared_experts: int = 0):
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
-        self.router_kind, self.groups, self.topk_groups = router, groups, topk_groups
+        self.router_kind, self.norm_topk = router, norm_topk
+        self.groups, self.topk_groups = groups, topk_groups
         self.routed_scaling = routed_scaling
         self.router = nn.Linear(dim, num_experts, bias=False)
         # DeepSeek-V3: the selection bias, float32 whatever the model's dtype (as its checkpoints).
@@ -218,21 +221,23 @@ class MoE(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores [b, s, E], each token's top_k experts and their weights [b, s, k]); scores in
-        float32 or wider: softmax probabilities (Mixtral), or sigmoid scores (DeepSeek-V3)."""
-        if self.router_kind == "softmax":  # top-k of the softmax, renormalised over the k
-            probs = _upcast(logits).softmax(-1)
-            top_p, experts = probs.topk(self.top_k, dim=-1)
-            return probs, experts, top_p / top_p.sum(-1, keepdim=True)
-        scores = _upcast(logits).sigmoid()
-        choice = scores + self.expert_bias.to(scores.dtype)  # the bias chooses, it does not weigh
-        if self.groups > 1:  # only experts of the topk_groups groups with the best two scores
+        float32 or wider: softmax probabilities (Mixtral, DeepSeek-V2), or sigmoid scores with the
+        bias added for choosing only (DeepSeek-V3)."""
+        sigmoid = self.router_kind == "sigmoid"
+        scores = _upcast(logits).sigmoid() if sigmoid else _upcast(logits).softmax(-1)
+        choice = scores + self.expert_bias.to(scores.dtype) if sigmoid else scores
+        if self.groups > 1:  # only experts of the topk_groups best groups: V3 ranks a group by its
+            # two best (biased) scores, V2 by its best
             grouped = choice.unflatten(-1, (self.groups, -1))
-            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            group_scores = grouped.topk(2 if sigmoid else 1, dim=-1).values.sum(-1)
+            best = group_scores.topk(self.topk_groups, dim=-1).indices
             allowed = (best[..., None] == torch.arange(self.groups, device=logits.device)).any(-2)
             choice = grouped.masked_fill(~allowed[..., None], float("-inf")).flatten(-2)
-        experts = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, experts)
-        return scores, experts, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling
+        top, experts = choice.topk(self.top_k, dim=-1)
+        weights = scores.gather(-1, experts) if sigmoid or self.groups > 1 else top
+        if self.norm_topk:  # (V3's epsilon: sigmoid scores can all be tiny)
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+        return scores, experts, weights * self.routed_scaling if self.routed_scaling != 1.0 else weights
 
     def dispatched_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """GShard: the experts on their slots; (out, kept) as `dispatch_and_combine`."""

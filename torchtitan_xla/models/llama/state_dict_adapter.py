@@ -206,10 +206,10 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
     training reached beyond it) and, with experts, the load-balancing loss's weight."""
     moe, qwen3 = args.num_experts > 0, args.qk_norm
     if args.mla:
-        return _deepseek_v3_config(args, bos_id, eos_id, dtype)
-    if args.router != "softmax":
-        raise ValueError("no transformers architecture has Llama attention with a sigmoid router: "
-                         "export to HuggingFace needs a deepseek_v3 model (latent attention)")
+        return _deepseek_config(args, bos_id, eos_id, dtype)
+    if args.router != "softmax" or not args.norm_topk or args.routed_scaling != 1.0 or args.shared_experts:
+        raise ValueError("no transformers architecture has Llama attention with DeepSeek's routing: "
+                         "export to HuggingFace needs a deepseek_v2 or deepseek_v3 model (latent attention)")
     if moe and args.moe_every != 1 and not qwen3:
         # Qwen3-MoE interleaves dense and MoE blocks as moe_every does (decoder_sparse_step), but
         # with query/key norms; Qwen2-MoE with q/k/v biases and a shared expert.
@@ -276,32 +276,38 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
     return cfg
 
 
-def _deepseek_v3_config(args: ModelArgs, bos_id: int | None, eos_id: int | None,
-                        dtype: str) -> dict[str, Any]:
-    """`DeepseekV3ForCausalLM`'s config.json: interleaved RoPE as our weights, no multi-token
-    prediction module (transformers' default would expect one), experts after dense_layers blocks."""
-    if args.num_experts and (args.router != "sigmoid" or args.moe_every != 1):
-        raise ValueError("DeepseekV3ForCausalLM has the sigmoid router in every block after the dense ones: "
-                         "export to HuggingFace needs router = sigmoid and moe_every = 1")
+def _deepseek_config(args: ModelArgs, bos_id: int | None, eos_id: int | None,
+                     dtype: str) -> dict[str, Any]:
+    """`DeepseekV3ForCausalLM`'s config.json (sigmoid router), or `DeepseekV2ForCausalLM`'s
+    (softmax): interleaved RoPE as our weights, no multi-token prediction module (V3's default would
+    expect one), experts after dense_layers blocks."""
+    v3 = args.router == "sigmoid"
+    if args.num_experts and (args.moe_every != 1 or args.norm_topk != v3):
+        raise ValueError("DeepSeek's HF models have experts in every block after the dense ones, V3 "
+                         "renormalising its top-k and V2 not: export to HuggingFace needs moe_every = 1 "
+                         "and norm_topk as theirs")
     cfg: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
         "moe_intermediate_size": args.expert_hidden_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_heads,
         "n_routed_experts": args.num_experts, "num_experts_per_tok": args.top_k,
         "n_shared_experts": args.shared_experts, "routed_scaling_factor": args.routed_scaling,
-        "n_group": args.expert_groups, "topk_group": args.topk_groups, "norm_topk_prob": True,
+        "n_group": args.expert_groups, "topk_group": args.topk_groups, "norm_topk_prob": args.norm_topk,
         "first_k_dense_replace": args.dense_layers if args.num_experts else args.n_layers,
-        "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "moe_layer_freq": 1, "scoring_func": "sigmoid" if v3 else "softmax",
+        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if args.expert_groups > 1 else "greedy"),
         "aux_loss_alpha": args.aux_loss_weight, "seq_aux": True,
         "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
         "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim, "rope_interleave": True, "num_nextn_predict_layers": 0,
-        "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": max(args.context_len, args.max_seq_len), "vocab_size": args.vocab_size,
-        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "torch_dtype": dtype,
+        "v_head_dim": args.v_head_dim, "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "max_position_embeddings": max(args.context_len, args.max_seq_len),
+        "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "attention_bias": False,
+        "attention_dropout": 0.0, "torch_dtype": dtype,
     }
+    if v3:  # V2 always rotates interleaved pairs
+        cfg.update({"rope_interleave": True, "num_nextn_predict_layers": 0})
     if args.yarn is not None:
         y = args.yarn
         cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": y.factor,
