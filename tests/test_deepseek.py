@@ -15,10 +15,10 @@ from torchtitan_xla.models.llama.moe import MoE, update_expert_bias
 transformers = pytest.importorskip("transformers")
 
 
-def _deepseek(seed: int = 0, **overrides) -> Transformer:
-    """The DeepSeek-V3 debug model in float64, norms, router and expert bias made to matter; the
-    router's weights and the bias float32 numbers (transformers keeps both in float32)."""
-    args = get_model_args("deepseek_v3", "debugmodel", **{"vocab_size": 300, "max_seq_len": 32, **overrides})
+def _deepseek(seed: int = 0, family: str = "deepseek_v3", **overrides) -> Transformer:
+    """The debug model of `family` in float64, norms, router and expert bias (V3) made to matter;
+    the router's weights and the bias float32 numbers (transformers keeps both in float32)."""
+    args = get_model_args(family, "debugmodel", **{"vocab_size": 300, "max_seq_len": 32, **overrides})
     torch.manual_seed(seed)
     model = Transformer(args).double()
     model.init_weights()
@@ -29,7 +29,7 @@ def _deepseek(seed: int = 0, **overrides) -> Transformer:
             if name.endswith("router.weight"):
                 p.copy_((torch.randn_like(p) * 0.3).float())
         for m in model.modules():
-            if isinstance(m, MoE):
+            if isinstance(m, MoE) and m.expert_bias is not None:
                 m.expert_bias.copy_((torch.randn(m.num_experts) * 0.05).float())
     return model
 
@@ -135,6 +135,19 @@ def test_logits_match_transformers_deepseek_v3_float64(overrides, seq, tmp_path,
         assert (model(tokens) - got).abs().max() > 1e-6
 
 
+def _same_choices(ours: MoE, theirs, x: torch.Tensor, top_k: int) -> bool:
+    """Assert our router chooses `theirs`'s experts for every token of x, with its weights (1e-6);
+    whether the plain top-k of the scores would have chosen them too."""
+    with torch.no_grad():
+        _, their_weights, their_experts = theirs(x)
+        scores, our_experts, our_weights = ours.route(ours.router(x))
+    order_ours, order_theirs = our_experts.view(-1, top_k).sort(-1), their_experts.sort(-1)
+    assert torch.equal(order_ours.values, order_theirs.values)
+    torch.testing.assert_close(our_weights.view(-1, top_k).gather(-1, order_ours.indices),
+                               their_weights.gather(-1, order_theirs.indices), rtol=1e-6, atol=0)
+    return torch.equal(scores.topk(top_k).indices.view(-1, top_k).sort(-1).values, order_ours.values)
+
+
 @pytest.mark.parametrize("groups,topk_groups,top_k", [(4, 2, 4), (1, 1, 6), (8, 3, 5)])
 def test_router_picks_transformers_experts(groups, topk_groups, top_k):
     """On the same hidden states, router weights and bias (float32, transformers' own router
@@ -158,15 +171,8 @@ def test_router_picks_transformers_experts(groups, topk_groups, top_k):
         theirs.e_score_correction_bias.copy_(bias)
         ours.expert_bias.copy_(bias)
     x = torch.randn(3, 40, dim, generator=g)
-    with torch.no_grad():
-        _, their_weights, their_experts = theirs(x)
-        scores, our_experts, our_weights = ours.route(ours.router(x))
-    order_ours, order_theirs = our_experts.view(-1, top_k).sort(-1), their_experts.sort(-1)
-    assert torch.equal(order_ours.values, order_theirs.values)
-    torch.testing.assert_close(our_weights.view(-1, top_k).gather(-1, order_ours.indices),
-                               their_weights.gather(-1, order_theirs.indices), rtol=1e-6, atol=0)
     # The bias and the groups change the choice: the top-k of the plain scores is not it.
-    assert not torch.equal(scores.topk(top_k).indices.view(-1, top_k).sort(-1).values, order_ours.values)
+    assert not _same_choices(ours, theirs, x, top_k)
 
 
 def test_the_bias_moves_by_the_sign_of_each_experts_load():
@@ -322,16 +328,8 @@ def test_logits_match_transformers_deepseek_v2_float64(overrides, tmp_path, monk
     from torchtitan_xla.checkpoint.hf import export_hf, model_args_from_hf_config, read_hf_state_dict
     from torchtitan_xla.models.llama.state_dict_adapter import from_hf
 
-    args = get_model_args("deepseek_v2", "debugmodel", vocab_size=300, max_seq_len=32, **overrides)
-    torch.manual_seed(1)
-    model = Transformer(args).double()
-    model.init_weights()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("router.weight"):
-                p.copy_((torch.randn_like(p) * 0.3).float())
+    model = _deepseek(1, "deepseek_v2", **overrides)
+    args = model.args
     assert not dict(model.named_buffers()).keys() & {"layers.1.feed_forward.expert_bias"}  # V2: no bias
     ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
     export_hf(ours, args, tmp_path / "ours", dtype=torch.float64)
@@ -383,15 +381,7 @@ def test_v2_router_picks_transformers_experts(method, groups, topk_groups):
         theirs.weight.copy_(torch.randn(experts, dim, generator=g))
         ours.router.weight.copy_(theirs.weight)
     x = torch.randn(3, 40, dim, generator=g)
-    with torch.no_grad():
-        _, their_weights, their_experts = theirs(x)
-        scores, our_experts, our_weights = ours.route(ours.router(x))
-    order_ours, order_theirs = our_experts.view(-1, top_k).sort(-1), their_experts.sort(-1)
-    assert torch.equal(order_ours.values, order_theirs.values)
-    torch.testing.assert_close(our_weights.view(-1, top_k).gather(-1, order_ours.indices),
-                               their_weights.gather(-1, order_theirs.indices), rtol=1e-6, atol=0)
-    plain = scores.topk(top_k).indices.view(-1, top_k).sort(-1).values
-    assert torch.equal(plain, order_ours.values) == (groups == 1)
+    assert _same_choices(ours, theirs, x, top_k) == (groups == 1)
 
 
 def test_v2_published_configs_give_the_flavors_and_sizes():
