@@ -39,6 +39,9 @@ ONE_DEVICE = [
     _point("1", 4, 128, 16, 256, 4, 2256, "full", "sdpa", 128),
     _point("1", 3, 256, 16, 128, 8, 4096, "op", "blockwise", 0),
     _point("1", 4, 256, 8, 256, 4, 4096, "every-2", "sdpa", 0),
+    # Mixtral's 2 MoE blocks, dropless: the dispatch counted from its shapes (memory.moe_excess).
+    {**(p := _point("1", 2, 256, 16, 256, 4, 2256, "none", "sdpa", 0)),
+     "args": [*p["args"], "--model.name", "mixtral"]},
 ]
 FSDP8 = _point("fsdp8", 2, 256, 16, 256, 4, 2256, "none", "sdpa", 0)
 FSDP4_TP2 = _point("fsdp4tp2", 2, 256, 16, 256, 4, 2256, "none", "sdpa", 0)

@@ -10,6 +10,7 @@ import sys
 from torchtitan_xla.config import parse_args, where
 from torchtitan_xla.config.checks import native_refusal
 from torchtitan_xla.errors import ConfigError, run_main
+from torchtitan_xla.models import get_model_args, moe_overrides
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
 GiB = 2**30
@@ -59,9 +60,13 @@ def report(plan, cfg) -> str:
            + (" (tight: within the memory model's 10%)" if plan.tight else "")
            if plan.fits else f"does not fit by {(m.total - plan.hbm) / GiB:.2f} GiB"),
     ]
-    if cfg.model.name == "mixtral" or cfg.moe.num_experts:
-        lines.append("  (mixture of experts: the activations are modelled as dense blocks; the dispatch "
-                     "tensors, batch x seq x experts x capacity, are not counted: docs/moe.md)")
+    args = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(cfg.moe))
+    if args.num_experts:
+        lines.append("  (mixture of experts: the dispatch tensors and the experts' slots counted from their "
+                     "shapes, not fitted: 0.86-1.21 of the compiler's on the CPU debug models, docs/plan.md)")
+    if args.mla:
+        lines.append("  (latent attention: counted as Llama blocks of its mean width, not fitted: 4-28% over "
+                     "the compiler's on the CPU debug model, docs/plan.md)")
     if not plan.fits:
         lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
                      "loss chunks, smaller batch, more FSDP, a slice twice the size)")
