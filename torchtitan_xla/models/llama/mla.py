@@ -45,17 +45,21 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Parts by slicing, not split(sizes): torch_xla 2.9 without functionalization (the replayed
+        # step's mode) returns wrong values from split with a list of sizes (tests/test_deepseek_training.py).
         bsz, seqlen, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
-        q_nope, q_rope = q.view(bsz, seqlen, self.n_heads, -1).split([self.nope_dim, self.rope_dim], -1)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], -1)
+        q = q.view(bsz, seqlen, self.n_heads, -1)
+        q = torch.cat([q[..., :self.nope_dim], apply_rope(q[..., self.nope_dim:], cos, sin)], -1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)  # [batch, seq, 1, rope]: one for all heads
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, self.n_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_heads, -1)], -1)
+        kv_a = self.wkv_a(x)
+        # [batch, seq, 1, rope]: one rotated key part for all heads
+        k_rope = apply_rope(kv_a[..., self.kv_lora_rank:].unsqueeze(2), cos, sin)
+        kv = self.wkv_b(self.kv_norm(kv_a[..., :self.kv_lora_rank]))
+        kv = kv.view(bsz, seqlen, self.n_heads, self.nope_dim + self.v_dim)
+        k = torch.cat([kv[..., :self.nope_dim], k_rope.expand(-1, -1, self.n_heads, -1)], -1)
+        v = kv[..., self.nope_dim:]
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         *(() if document_ids is None else (document_ids,)))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
