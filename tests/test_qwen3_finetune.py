@@ -118,7 +118,7 @@ def test_the_mismatch_names_the_flavor_the_folder_holds(family, flavor, run, tmp
     ({"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
       "intermediate_size": 128, "rms_norm_eps": 1e-5, "vocab_size": 300, "sliding_window": 4096},
      "sliding-window attention (sliding_window) is not supported"),
-    ({"model_type": "bert", "num_attention_heads": 4}, "no 'hidden_size': not a Llama, Mixtral or Qwen3 config"),
+    ({"model_type": "bert", "num_attention_heads": 4}, "no 'hidden_size': not a Llama, Mixtral, Qwen3 or DeepSeek config"),
     ("{not json", "not JSON ("),
 ])
 def test_an_unusable_config_json_is_one_line_naming_the_file(config, message, tmp_path):

@@ -1,6 +1,7 @@
 """HuggingFace interop: export to a folder `transformers` loads whole (`model.safetensors` +
-`config.json` for `LlamaForCausalLM` or `MixtralForCausalLM`, and the tokenizer for `AutoTokenizer`),
-LoRA adapters as a folder `peft` loads, and import HF Llama / Mixtral weights as initial weights.
+`config.json` for `LlamaForCausalLM`, `MixtralForCausalLM`, Qwen3's, DeepSeek-V2's / V3's, and the
+tokenizer for `AutoTokenizer`), LoRA adapters as a folder `peft` loads, and import the same HF
+weights as initial weights.
 
 Names and the RoPE q/k layout are converted by models/llama/state_dict_adapter.py; this module does
 the file I/O and moves whole tensors between host memory and the (sharded) device parameters, one
@@ -177,7 +178,8 @@ def match_initial_hf_weights(cfg, args: ModelArgs, model: str) -> ModelArgs:
         theirs = model_args_from_hf_config(json.loads(path.read_text()))
     except (ConfigError, KeyError, ValueError) as e:  # "config.json: ...", a missing key, bad JSON
         why = str(e).removeprefix("config.json: ") if isinstance(e, ConfigError) else (
-            f"no {e}: not a Llama, Mixtral or Qwen3 config" if isinstance(e, KeyError) else f"not JSON ({e})")
+            f"no {e}: not a Llama, Mixtral, Qwen3 or DeepSeek config" if isinstance(e, KeyError)
+            else f"not JSON ({e})")
         raise ConfigError(f"[checkpoint] initial_load_path: {path}: {why}") from None
     difference = _architecture_difference(theirs, args)
     if difference is None:

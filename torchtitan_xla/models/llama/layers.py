@@ -13,7 +13,7 @@ from torch import nn
 from torchtitan_xla.models.llama.args import ModelArgs
 
 
-def _upcast(x: torch.Tensor) -> torch.Tensor:
+def upcast(x: torch.Tensor) -> torch.Tensor:
     """At least float32 (bf16 -> f32; f32 and f64 unchanged)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
@@ -60,7 +60,7 @@ def _yarn(y, freqs: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, f
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim] by the angles
     of each token's position, cos and sin: [seq, head_dim // 2] or per sequence [batch, seq, ...]."""
-    xf = _upcast(x)
+    xf = upcast(x)
     x0, x1 = xf[..., 0::2], xf[..., 1::2]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = (x0 * cos - x1 * sin, x0 * sin + x1 * cos)
@@ -86,7 +86,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = _upcast(x)  # normalise in float32 even under bf16 autocast
+        xf = upcast(x)  # normalise in float32 even under bf16 autocast
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * self.weight).type_as(x)
 
@@ -119,7 +119,7 @@ class ScaledDotProductAttention(nn.Module):
         scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
         seq = torch.arange(q.shape[-2], device=q.device)
         mask = attention_mask(seq, seq, document_ids)
-        probs = _upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
+        probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
         return torch.einsum("bhqk,bhkd->bhqd", probs, v)
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_xla.models.llama.layers import FeedForward, _upcast
+from torchtitan_xla.models.llama.layers import FeedForward, upcast
 
 
 class AddAuxLossGrad(torch.autograd.Function):
@@ -207,7 +207,7 @@ class MoE(nn.Module):
         else:
             aux = self.num_experts * (fraction * mean_prob).sum()
         # Router z-loss (ST-MoE): keeps the logits small, where the softmax is well conditioned.
-        z = (torch.logsumexp(_upcast(logits), dim=-1).pow(2) * real).sum() / count
+        z = (torch.logsumexp(upcast(logits), dim=-1).pow(2) * real).sum() / count
         dropped = 1 - (kept.to(probs.dtype) * real[..., None]).sum() / (count * self.top_k)
         # How unevenly the experts are loaded: the most chosen expert's tokens over the least's.
         spread = counts.max() / counts.min().clamp(min=1)
@@ -224,7 +224,7 @@ class MoE(nn.Module):
         float32 or wider: softmax probabilities (Mixtral, DeepSeek-V2), or sigmoid scores with the
         bias added for choosing only (DeepSeek-V3)."""
         sigmoid = self.router_kind == "sigmoid"
-        scores = _upcast(logits).sigmoid() if sigmoid else _upcast(logits).softmax(-1)
+        scores = upcast(logits).sigmoid() if sigmoid else upcast(logits).softmax(-1)
         choice = scores + self.expert_bias.to(scores.dtype) if sigmoid else scores
         if self.groups > 1:  # only experts of the topk_groups best groups: V3 ranks a group by its
             # two best (biased) scores, V2 by its best

@@ -1,4 +1,4 @@
-"""Llama, Mixtral, Qwen3 and DeepSeek-V3 weights between this project's (Meta's) names and layout and
+"""Llama, Mixtral, Qwen3 and DeepSeek-V2/V3 weights between this project's (Meta's) names and layout and
 HuggingFace `transformers`'.
 
 Two differences: the names, and RoPE's layout. Meta rotates interleaved pairs (x0,x1),(x2,x3)...;
@@ -13,8 +13,8 @@ expert, `model.layers.N.block_sparse_moe.experts.E.w1|w2|w3.weight`, and the rou
 (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2 * hidden, dim] = w1 then w3, and
 `mlp.experts.down_proj` [E, dim, hidden]), as a MixtralForCausalLM's own state_dict() holds it.
 
-DeepSeek-V3 (multi-head latent attention) keeps RoPE's interleaved layout in HF too
-(`rope_interleave`): no permutation; its experts are named as Qwen3-MoE's, its shared experts
+DeepSeek-V2/V3 (multi-head latent attention) keep RoPE's interleaved layout in HF too (V3's
+`rope_interleave`): no permutation; its experts are named as Qwen3-MoE's, its shared experts
 `mlp.shared_experts.*`, its selection bias `mlp.gate.e_score_correction_bias`.
 """
 
@@ -40,9 +40,9 @@ _LAYER_MAP = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
-# Multi-head latent attention (mla.py) and DeepSeek's shared experts and expert bias.
+# Multi-head latent attention (mla.py; its `wq` and `wo` are named as Llama's) and DeepSeek's
+# shared experts and expert bias.
 _MLA_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
     "attention.wq_b.weight": "self_attn.q_b_proj.weight",
@@ -84,8 +84,9 @@ _MOE_PREFIXES = ("block_sparse_moe.", "mlp.gate.", "mlp.experts.")  # HF names w
 def _layer_map(args: ModelArgs) -> dict[str, str]:
     if not args.mla:
         return _LAYER_MAP
-    return {**{k: v for k, v in _LAYER_MAP.items() if not k.startswith("attention.")}, **_MLA_MAP,
-            "attention.wo.weight": "self_attn.o_proj.weight"}
+    mha_only = ("attention.wk.weight", "attention.wv.weight", "attention.q_norm.weight",
+                "attention.k_norm.weight")
+    return {**{k: v for k, v in _LAYER_MAP.items() if k not in mha_only}, **_MLA_MAP}
 
 
 def _expert_names(args: ModelArgs) -> tuple[dict[str, str], str]:
