@@ -62,6 +62,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         step_with_lr,
     )
     from torchtitan_xla.parallelisms import BATCH_AXES, MESH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.parallelisms.context_parallel import balance_batches
     from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.storage import check_writable, join, makedirs, write_text
     from torchtitan_xla.utils import GarbageCollection, set_determinism
@@ -111,11 +112,14 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # Tokenizer and data: each host loads its share of the global batch.
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     # Batches arrive on the mesh, sharded over the batch axes and prefetched in the background;
-    # each process holds only its block of the batch dimension.
+    # each process holds only its block of the batch dimension. (Context parallel devices take
+    # whole sequences, ints, and cut their part of the activations: no gather of key positions.)
+    # Load-balanced context parallelism reorders each sequence on the host first.
     input_sharding = runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=data_count)
     data_loader = build_data_loader(
         job_config, tokenizer, batch_size=global_batch // data_count, host_rank=data_rank,
-        host_count=data_count, device=device, input_sharding=input_sharding)
+        host_count=data_count, device=device, input_sharding=input_sharding,
+        batch_transform=balance_batches(parallel_dims, training.seq_len))
 
     # Model: built on the meta device, so no full copy ever exists on the host.
     model_args = get_model_args(job_config.model.name, job_config.model.flavor,
@@ -241,7 +245,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         total = counted.sum().clamp(min=1) if packing else None
         loss, rank_token_losses, router, expert_counts = 0.0, [], [], [0] * len(biased_blocks)
         for mb_inputs, mb_labels, *mb_packing in zip(*(microbatches(t) for t in (inputs, labels, *packing))):
-            # [dp ranks, tokens]: every microbatch spans all ranks in the same order.
+            # [dp ranks, ...]: every microbatch spans all ranks in the same order.
             token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_packing)
             router += [m.router_stats for m in moe_blocks]  # [aux, z, dropped] of this forward
             expert_counts = [c + m.expert_counts for c, m in zip(expert_counts, biased_blocks)]
@@ -257,8 +261,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         if job_config.moe.bias_update_rate:
             update_expert_bias(biased_blocks, expert_counts, job_config.moe.bias_update_rate)
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
-        rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1) for c in microbatches(counted)], 1)
-                        if packing else None)
+        rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1, c.shape[-1])
+                                   for c in microbatches(counted)], 1) if packing else None)
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
         stats = torch.stack(runtime.whole([loss, grad_norm.detach(), max_loss]))
         return torch.cat([stats, *runtime.whole([torch.stack(router).mean(0)])]) if router else stats

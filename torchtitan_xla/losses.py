@@ -35,31 +35,19 @@ from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 IGNORE_INDEX = -100
 
 # (model, inputs, labels[, positions, document_ids]) -> per-token losses [dp ranks, tokens per
-# rank], float32. Positions and document ids come with packed conversations (datasets/chat.py).
+# rank] or [dp ranks, rows per rank, seq], float32. Positions and document ids come with packed conversations (datasets/chat.py).
 LossFn = Callable[..., torch.Tensor]
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0,
                  z_loss: float = 0.0) -> torch.Tensor:
-    """The loss of every token from logits [..., vocab] (computed in float32 or wider)."""
+    """The loss of every token from logits [..., vocab] (computed in float32 or wider), as four
+    reductions over the vocabulary (the max, the sum of exponentials, the label's logit, the mean):
+    never a reshape of the token dimensions, so logits split over the sequence (context
+    parallelism) or the vocabulary (tensor parallelism) stay split. (XLA gathered the sequence to
+    flatten [batch, seq] for F.cross_entropy; DTensor has no rule for cross_entropy or logsumexp
+    on vocab shards and would gather them: here each reduction is a per-shard value combined.)"""
     logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-    if isinstance(logits, DTensor):
-        return _vocab_parallel_token_losses(logits, labels, label_smoothing, z_loss)
-    flat = logits.flatten(0, -2)
-    losses = F.cross_entropy(flat, labels.flatten(), reduction="none", label_smoothing=label_smoothing,
-                             ignore_index=IGNORE_INDEX)
-    if z_loss:
-        valid = labels.flatten() != IGNORE_INDEX
-        losses = losses + z_loss * torch.logsumexp(flat, dim=-1).square() * valid
-    return losses.view(labels.shape)
-
-
-def _vocab_parallel_token_losses(logits: DTensor, labels: torch.Tensor, label_smoothing: float,
-                                 z_loss: float) -> torch.Tensor:
-    """token_losses on the native runtime's DTensor logits, as four reductions over the vocabulary
-    (the max, the sum of exponentials, the label's logit, the sum): on vocab-sharded logits each is
-    a per-shard value all-reduced over `tp`, so the full logits never exist on one device (DTensor
-    has no such rule for F.cross_entropy or logsumexp: it would gather them)."""
     valid = (labels != IGNORE_INDEX).unsqueeze(-1)  # [..., 1] throughout: DTensor's masked
     # partial (the label's logit on the shard that holds it) must be reduced in the gather's shape
     top = logits.detach().amax(-1, keepdim=True)  # exp's range; its gradient would cancel
@@ -153,7 +141,7 @@ def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torch.dtype | None,
                   plain: bool = False) -> LossFn:
     """The step's loss: (model, inputs [batch, seq], labels[, positions, document_ids]) -> per-token
-    losses [dp ranks, tokens per rank] in float32, 0 where the label is IGNORE_INDEX. The batch's
+    losses [dp ranks, rows per rank, seq] (chunked: [dp ranks, tokens per rank]) in float32, 0 where the label is IGNORE_INDEX. The batch's
     rows are split into `dp_degree` contiguous blocks, one per data-parallel rank (the batch
     sharding), so chunks never cross a rank's rows.
     `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
@@ -166,7 +154,8 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
         with torch.autocast(**autocast):
             logits = model(inputs, *packing)
         losses = token_losses(logits, labels, label_smoothing=smoothing, z_loss=z)
-        return losses.view(dp_degree, -1)
+        # [dp ranks, rows, seq]: rows and sequence never merged (a split sequence would be gathered).
+        return losses.view(dp_degree, -1, losses.shape[-1])
 
     def chunked(model, inputs, labels, *packing):
         with torch.autocast(**autocast):

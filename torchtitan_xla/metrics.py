@@ -43,10 +43,12 @@ def max_rank_loss(token_losses, counted=None):
     """The largest of the data-parallel ranks' mean losses, inside the compiled step.
 
     `token_losses` and the boolean `counted` (the labels the loss counts; None: all) are [dp ranks,
-    tokens]: each rank's mean is over its counted tokens, as the training loss's is."""
+    ...] (tokens, or rows x sequence): each rank's mean is over its counted tokens, as the training
+    loss's is. Never reshaped: a sequence split over devices (context parallelism) stays split."""
+    tokens = tuple(range(1, token_losses.dim()))
     if counted is None:
-        return token_losses.mean(1).max()
-    return (token_losses.sum(1) / counted.sum(1).clamp(min=1)).max()
+        return token_losses.mean(tokens).max()
+    return (token_losses.sum(tokens) / counted.sum(tuple(range(1, counted.dim()))).clamp(min=1)).max()
 
 
 # --------------------------------------------------------------------------------------------

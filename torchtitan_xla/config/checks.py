@@ -93,12 +93,21 @@ def _check_attention(cfg: JobConfig, sources) -> None:
                           f"kernels take values as wide as the queries and keys, and the latent attention of "
                           f"{cfg.model.name} {cfg.model.flavor} has {args.v_dim} against {args.qk_head_dim} "
                           f"features per head; use sdpa or blockwise")
+    cp = cfg.parallelism.context_parallel_degree
+    if cp > 1 and cfg.model.attention != "sdpa":
+        # blockwise skips keys by index and the Pallas kernels mask by index: neither follows the
+        # positions of a split (and reordered) sequence.
+        raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r} cannot "
+                          f"take context parallelism ([parallelism] context_parallel_degree = {cp}): its "
+                          f"causal mask is by index, not by the positions of a split sequence; use sdpa")
 
 
 # What the native runtime does not run yet: each refused in one line, before anything is built.
 _NOT_ON_NATIVE = (
     ("compile", "scan_layers", lambda v: v, "scan is torch_xla's (scan_layers)"),
     ("model", "attention", lambda v: v in ("flash", "splash"), "the Pallas kernels are torch_xla's"),
+    ("parallelism", "context_parallel_degree", lambda v: v > 1, "its key and value gathers are "
+     "sharding annotations for XLA SPMD"),
     ("moe", "grouped_mm", lambda v: v, "its kernel is torch_xla's Pallas megablox (elsewhere a reference "
      "E times slower)"),
 )

@@ -23,6 +23,17 @@ class Parallelism:
         1, "Expert parallel degree (mixture-of-experts models): the experts are split over this "
         "many devices, which are also data-parallel ranks (dense weights are sharded over "
         "data_parallel_shard_degree x expert_parallel_degree). Must divide num_experts.", gt=0)
+    context_parallel_degree: int = opt(
+        1, "Context parallel degree: each sequence is split over this many devices (every "
+        "activation on its sequence dimension), which gather the keys and values of the whole "
+        "sequence for attention. They are FSDP ranks for the weights (sharded over "
+        "data_parallel_shard_degree x context_parallel_degree). Needs [model] attention = \"sdpa\"; "
+        "XLA runtime only.", gt=0)
+    context_parallel_load_balance: bool = opt(
+        True, "Causal load balancing for context parallelism: the sequence is cut into 2 x "
+        "context_parallel_degree chunks and device i holds chunks i and 2 x degree - 1 - i, so "
+        "every device has the same share of the causal attention (positions and the attention "
+        "mask follow the tokens). seq_len must then be a multiple of 2 x the degree.")
     num_slices: int = opt(
         1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
         "data_parallel_replicate_degree must be a multiple of it.", gt=0)

@@ -14,14 +14,15 @@ DEFAULT_SEED = 0
 def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size: int,
                       host_rank: int = 0, host_count: int = 1, split: str | None = None,
                       infinite: bool = True, drop_last: bool = False, device=None,
-                      input_sharding=None) -> DataLoader:
+                      input_sharding=None, batch_transform=None) -> DataLoader:
     """This host's loader: `batch_size` packed sequences per step (the host's share of the
     global batch), read from this host's share of the dataset, resumable via state_dict().
     Batches are (inputs, labels), each [batch_size, seq_len] int64; for the chat datasets
     (inputs, labels, positions, document_ids), labels -100 where not trained (chat.py).
 
     With `device` (and `input_sharding`), batches arrive on the device mesh, prefetched in a
-    background thread; without, they stay on the host (tests, benchmarks)."""
+    background thread; without, they stay on the host (tests, benchmarks). `batch_transform`:
+    applied to each host batch first (context parallelism's reordering)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from torchtitan_xla.datasets.packing import ChatDataset, PackedTextDataset, SyntheticDataset
@@ -47,7 +48,7 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
         multiprocessing_context=_worker_context() if workers else None,
         persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
     return DataLoader(host_loader, host_rank=host_rank, host_count=host_count, num_workers=workers,
-                      device=device, input_sharding=input_sharding)
+                      device=device, input_sharding=input_sharding, batch_transform=batch_transform)
 
 
 def _worker_context():

@@ -51,8 +51,10 @@ class DataLoader:
     rank or worker count is refused (a stream cannot be re-split exactly)."""
 
     def __init__(self, host_loader, *, host_rank: int = 0, host_count: int = 1,
-                 num_workers: int = 0, device=None, input_sharding=None, prefetch: int = 2):
+                 num_workers: int = 0, device=None, input_sharding=None, prefetch: int = 2,
+                 batch_transform=None):
         self.host_loader = host_loader
+        self._transform = batch_transform  # on the host, before the transfer (context parallelism)
         self.host_rank, self.host_count, self.num_workers = host_rank, host_count, num_workers
         self._device, self._input_sharding = device, input_sharding
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -96,6 +98,8 @@ class DataLoader:
                     self._put(_END)
                     return
                 state = self.host_loader.state_dict()
+                if self._transform is not None:
+                    batch = self._transform(batch)
                 if self._device is not None:
                     from torchtitan_xla import runtime
 

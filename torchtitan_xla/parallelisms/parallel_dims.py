@@ -3,9 +3,10 @@
 Mesh axes, outermost first: `dp_replicate` (HSDP replicas; in a multi-slice run the slices are the
 outer part of this axis, so only gradient all-reduces cross the slow DCN links), `fsdp` (parameters
 sharded), `ep` (experts split; these devices are data-parallel ranks too, and dense parameters are
-sharded over fsdp and ep together, as torchtitan's EP borrows from its FSDP dimension), `tp` (tensor
-parallel, innermost so a TP group is made of neighbouring devices; `ep` next, so the all-to-alls
-stay among near devices). Every axis always exists, with size 1 when unused, so a partition spec
+sharded over fsdp and ep together, as torchtitan's EP borrows from its FSDP dimension), `cp`
+(context parallel: each sequence split over these devices; for the weights they are FSDP ranks
+too, as in torchtitan), `tp` (tensor parallel, innermost so a TP group is made of neighbouring
+devices; `cp` and `ep` next, so the key/value gathers and the all-to-alls stay among near devices). Every axis always exists, with size 1 when unused, so a partition spec
 means the same thing on every mesh.
 
 All checks run before anything is compiled and each fails with one line naming the keys involved.
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 from torchtitan_xla.config.run_sections import Parallelism
 from torchtitan_xla.errors import ConfigError
 
-MESH_AXES = ("dp_replicate", "fsdp", "ep", "tp")
+MESH_AXES = ("dp_replicate", "fsdp", "ep", "cp", "tp")
 # The batch is split over every data-parallel axis.
 BATCH_AXES = ("dp_replicate", "fsdp", "ep")
-# Axes that shard a dense parameter (FSDP); an expert weight, already split over `ep`, uses `fsdp`.
-SHARD_AXES = ("fsdp", "ep")
+# Axes that shard a dense parameter (FSDP); an expert weight, already split over `ep`, uses the others.
+SHARD_AXES = ("fsdp", "ep", "cp")
 
 
 @dataclass(frozen=True)
@@ -32,30 +33,34 @@ class ParallelDims:
     tp: int
     num_slices: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_load_balance: bool = True
 
     @classmethod
     def from_config(cls, cfg: Parallelism, num_devices: int) -> ParallelDims:
         """Resolve `data_parallel_shard_degree = -1` and check the degrees fill the devices."""
-        rep, shard, tp, ep = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
-                              cfg.tensor_parallel_degree, cfg.expert_parallel_degree)
+        rep, shard, tp, ep, cp = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
+                                  cfg.tensor_parallel_degree, cfg.expert_parallel_degree,
+                                  cfg.context_parallel_degree)
         if rep % cfg.num_slices:
             raise ConfigError(
                 f"[parallelism] data_parallel_replicate_degree ({rep}) must be a multiple of "
                 f"num_slices ({cfg.num_slices}): slices hold model replicas")
-        fixed = rep * ep * tp
+        fixed = rep * ep * cp * tp
         if shard == -1:
             if num_devices % fixed:
-                raise ConfigError(f"[parallelism] {_product(rep, None, ep, tp)} = {fixed} does not "
+                raise ConfigError(f"[parallelism] {_product(rep, None, ep, cp, tp)} = {fixed} does not "
                                   f"divide the {num_devices} devices")
             shard = num_devices // fixed
-        if rep * shard * ep * tp != num_devices:
-            raise ConfigError(f"[parallelism] {_product(rep, shard, ep, tp)} = {rep * shard * ep * tp}, "
-                              f"but there are {num_devices} devices")
-        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, num_slices=cfg.num_slices, ep=ep)
+        if shard * fixed != num_devices:
+            raise ConfigError(f"[parallelism] {_product(rep, shard, ep, cp, tp)} = "
+                              f"{rep * shard * ep * cp * tp}, but there are {num_devices} devices")
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, num_slices=cfg.num_slices, ep=ep, cp=cp,
+                   cp_load_balance=cfg.context_parallel_load_balance)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.ep * self.tp
+        return self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp
 
     @property
     def dp_degree(self) -> int:
@@ -64,12 +69,18 @@ class ParallelDims:
 
     @property
     def shard_degree(self) -> int:
-        """Devices a dense parameter is sharded over (FSDP over `fsdp` x `ep`)."""
-        return self.dp_shard * self.ep
+        """Devices a dense parameter is sharded over (FSDP over `fsdp` x `ep` x `cp`)."""
+        return self.dp_shard * self.ep * self.cp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.ep, self.tp)
+    def seq_axis(self) -> str | None:
+        """The mesh axis splitting each sequence: `cp` when context parallel, else none (a
+        sequence is whole on its data-parallel rank, bar sequence parallelism inside a TP group)."""
+        return "cp" if self.cp > 1 else None
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.ep, self.cp, self.tp)
 
     def check_model(self, n_heads: int, n_kv_heads: int, dim: int, ffn_hidden_dim: int,
                     num_experts: int = 0) -> None:
@@ -101,6 +112,14 @@ class ParallelDims:
             raise ConfigError(
                 f"[training] seq_len ({seq_len}) must be a multiple of tensor_parallel_degree "
                 f"({self.tp}): sequence parallelism splits the sequence over the TP devices")
+        if self.cp > 1:
+            chunks = 2 * self.cp if self.cp_load_balance else self.cp
+            why = (f"2 x context_parallel_degree ({self.cp}): load balancing gives each device two "
+                   f"of {chunks} equal chunks" if self.cp_load_balance
+                   else f"context_parallel_degree ({self.cp})")
+            if seq_len % (chunks * self.tp):
+                tp = f" x tensor_parallel_degree ({self.tp})" if self.tp > 1 else ""
+                raise ConfigError(f"[training] seq_len ({seq_len}) must be a multiple of {why}{tp}")
         return global_batch // per_step
 
     def build_mesh(self, device_type: str = "CPU"):
@@ -116,8 +135,10 @@ class ParallelDims:
                                   num_slices=self.num_slices)
 
 
-def _product(rep: int, shard: int | None, ep: int, tp: int) -> str:
-    """The degrees' product as the error messages name it (expert parallelism only when used)."""
+def _product(rep: int, shard: int | None, ep: int, cp: int, tp: int) -> str:
+    """The degrees' product as the error messages name it (expert and context parallelism only
+    when used)."""
     terms = [("data_parallel_replicate_degree", rep), ("data_parallel_shard_degree", shard),
-             ("expert_parallel_degree", ep if ep > 1 else None), ("tensor_parallel_degree", tp)]
+             ("expert_parallel_degree", ep if ep > 1 else None),
+             ("context_parallel_degree", cp if cp > 1 else None), ("tensor_parallel_degree", tp)]
     return " x ".join(f"{k} ({v})" for k, v in terms if v is not None)

@@ -92,11 +92,15 @@ def fsdp_spec(shape: torch.Size, base: Spec, degree: int, axis: str | tuple = "f
 
 
 def fsdp_axes(base: Spec, parallel_dims: ParallelDims) -> tuple[str | tuple, int]:
-    """(FSDP's axis, its size) for a parameter with spec `base`: `fsdp` x `ep` for dense weights,
-    `fsdp` alone for expert weights, which `ep` already splits."""
-    if parallel_dims.ep == 1 or "ep" in base:
-        return "fsdp", parallel_dims.dp_shard
-    return SHARD_AXES, parallel_dims.shard_degree
+    """(FSDP's axis, its size) for a parameter with spec `base`: `fsdp` x `ep` x `cp` for dense
+    weights, `fsdp` x `cp` for expert weights, which `ep` already splits (axes of one device left
+    out, so a spec names only the axes that split it)."""
+    sizes = {"fsdp": parallel_dims.dp_shard, "ep": parallel_dims.ep, "cp": parallel_dims.cp}
+    axes = [a for a in SHARD_AXES if a == "fsdp" or (sizes[a] > 1 and a not in base)]
+    degree = 1
+    for a in axes:
+        degree *= sizes[a]
+    return (axes[0] if len(axes) == 1 else tuple(axes)), degree
 
 
 def param_specs(model: nn.Module, parallel_dims: ParallelDims) -> dict[str, Spec]:
@@ -155,7 +159,7 @@ def apply_ep(model: nn.Module, mesh) -> None:
         moe.expert_outputs.register_forward_hook(lambda m, args, out: by_batch(by_expert(out)))
 
 
-def apply_activation_sharding(model: nn.Module, mesh) -> None:
+def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) -> None:
     """Constrain activations at module boundaries, on every mesh: the batch over the data-parallel
     axes; the residual stream between blocks split along the sequence over `tp` (norms and residual
     adds then run on sequence shards, and XLA turns the row-parallel reductions into
@@ -163,12 +167,19 @@ def apply_activation_sharding(model: nn.Module, mesh) -> None:
 
     Without them XLA's sharding propagation is free to give a projection of an FSDP-sharded weight
     a feature-sharded output, which it then computes by all-gathering the activations of the whole
-    global batch instead of the weight (the collectives audit, docs/plan.md, found this for wk)."""
-    seq_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None))  # [batch, seq, dim]
+    global batch instead of the weight (the collectives audit, docs/plan.md, found this for wk).
+
+    Context parallelism (`seq` = "cp"): every activation is split along the sequence over `cp` as
+    well (outside `tp`'s split), except the keys and values attention reads, whole on every device:
+    XLA all-gathers them over `cp` in the forward pass and reduce-scatters their gradients."""
+    seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))  # [batch, seq, dim]
     # The norms feed column-parallel layers, which need whole sequences: Megatron-SP's all-gather.
-    seq_whole = runtime.constraint(mesh, (BATCH_AXES, None, None))
-    heads_sharded = runtime.constraint(mesh, (BATCH_AXES, "tp", None, None))  # [batch, heads, seq, head_dim]
-    vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, None, "tp"))  # [batch, seq, vocab]
+    seq_whole = runtime.constraint(mesh, (BATCH_AXES, seq, None))
+    # [batch, heads, seq, head_dim]: the queries (and the output) on this device's part of the
+    # sequence, the keys and values of all of it.
+    queries = runtime.constraint(mesh, (BATCH_AXES, "tp", seq, None))
+    keys = runtime.constraint(mesh, (BATCH_AXES, "tp", None, None))
+    vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, seq, "tp"))  # [batch, seq, vocab]
     for block in model.layers.values():
         block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
         block.register_forward_hook(lambda m, args, out: seq_sharded(out))
@@ -179,9 +190,36 @@ def apply_activation_sharding(model: nn.Module, mesh) -> None:
         for sublayer in (block.attention, block.feed_forward):
             sublayer.register_forward_hook(lambda m, args, out: seq_sharded(out))
         block.attention.sdpa.register_forward_pre_hook(
-            lambda m, args: (*(heads_sharded(t) for t in args[:3]), *args[3:]))  # q, k, v
+            lambda m, args: (queries(args[0]), keys(args[1]), keys(args[2]), *args[3:]))
+        if seq:
+            block.attention.sdpa.register_forward_hook(lambda m, args, out: queries(out))
+            _project_on_sequence_shards(block, mesh, seq)
     model.norm.register_forward_hook(lambda m, args, out: seq_whole(out))
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
+    if seq and type(model.output) is nn.Linear:
+        model.output.forward = functools.partial(_einsum_linear, model.output)
+
+
+def _project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
+    """Every projection of the block computed on this device's part of the sequence, as an einsum:
+    nn.Linear flattens [batch, seq] into one dimension, which cannot be split over both the batch
+    and the `cp` axes, so XLA gathered the sequence at every projection, forward and backward. The
+    outputs of all but the row-parallel ones (which the block's hooks constrain) are held on the
+    sequence split, so the keys and values are gathered after their projections and their
+    gradients reduce-scattered before the projections' backward."""
+    for name, layer in block.named_modules():
+        if type(layer) is not nn.Linear:
+            continue
+        layer.forward = functools.partial(_einsum_linear, layer)
+        out_axis, in_axis = tp_spec(f"layers.0.{name}.weight", 2)
+        if in_axis is None:
+            layer.register_forward_hook(
+                lambda m, args, out, c=runtime.constraint(mesh, (BATCH_AXES, seq, out_axis)): c(out))
+
+
+def _einsum_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for x [batch, seq, in] without a bias, the token dimensions kept apart."""
+    return torch.einsum("bsi,oi->bso", x, layer.weight)
 
 
 def apply_local_attention(model: nn.Module, mesh) -> None:
@@ -189,8 +227,9 @@ def apply_local_attention(model: nn.Module, mesh) -> None:
     run it on each device's blocks of the batch and heads (native: local tensors, any kernel's
     ops; XLA partitions it by itself)."""
     heads = (BATCH_AXES, "tp", None, None)  # q, k, v and the output: [batch, heads, seq, head_dim]
+    tokens = (BATCH_AXES, None)  # document ids and positions
     for block in model.layers.values():
-        runtime.run_locally(block.attention.sdpa, mesh, [heads] * 3 + [(BATCH_AXES, None)], heads)
+        runtime.run_locally(block.attention.sdpa, mesh, [heads] * 3 + [tokens] * 2, heads)
 
 
 def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:
@@ -293,7 +332,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
 
 class _CarryRope(nn.Module):
-    """Adapts a block to scan's carry convention: (h, cos, sin[, document_ids]) in and out."""
+    """Adapts a block to scan's carry convention: (h, cos, sin[, document_ids, positions]) in and out."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -317,10 +356,11 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     # Created once: scan caches the traced block by the identity of the first one.
     carriers = [_CarryRope(block) for block in model.layers.values()]
 
-    def forward(h, cos, sin, document_ids=None):
-        # The carry holds float tensors only (scan differentiates it); ids compare exactly as floats.
-        extra = () if document_ids is None else (document_ids.float(),)
-        h, *_ = runtime.kernels.scan_layers(carriers, (h, cos, sin, *extra), partition_fn)
+    def forward(h, cos, sin, *mask):
+        # The carry holds float tensors only (scan differentiates it); ids and positions compare
+        # exactly as floats (below 2^24).
+        h, *_ = runtime.kernels.scan_layers(carriers, (h, cos, sin, *(t.float() for t in mask)),
+                                            partition_fn)
         return h
 
     model.layers.forward = forward
@@ -343,7 +383,7 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
     if parallel_dims.ep > 1:
         apply_ep(model, mesh)
     if parallel_dims.world_size > 1:
-        apply_activation_sharding(model, mesh)
+        apply_activation_sharding(model, mesh, parallel_dims.seq_axis)
     apply_local_attention(model, mesh)
     ac = job_config.activation_checkpoint
     if not job_config.compile.scan_layers:  # under scan, the scan's partitioner does it

@@ -14,6 +14,7 @@ from torch import nn
 
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
+from torchtitan_xla.models.llama.layers import repeat_kv
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 
 # [batch, heads, seq, head_dim]: batch over the data-parallel axes, heads over tensor parallel,
@@ -28,11 +29,13 @@ class PallasAttention(nn.Module):
         super().__init__()
         self.kind, self.mesh, self.spec = kind, mesh, spec
 
-    def forward(self, q, k, v, document_ids=None):
+    def forward(self, q, k, v, document_ids=None, positions=None):
+        # Masked by index and segment: positions in index order (context parallelism is refused).
         from torchtitan_xla import runtime
 
         kernels = runtime.kernels
         kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         segments = None if document_ids is None else document_ids.to(torch.int32)
         return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=segments)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan_xla.models.llama.layers import attention_mask
+from torchtitan_xla.models.llama.layers import attention_mask, repeat_kv
 
 
 def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:
@@ -76,7 +76,11 @@ class BlockwiseCausalAttention(nn.Module):
         self.blocks = blocks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # Keys are skipped by index: the positions are those of a sequence in index order (the
+        # config refuses this kernel with context parallelism, which reorders), so unused.
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         seqlen = q.shape[-2]
         n = min(self.blocks, seqlen)
         bounds = [seqlen * i // n for i in range(n + 1)]

@@ -71,12 +71,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
-    """[b, s, kv_heads, d] -> [b, s, kv_heads * rep, d]; query head j uses kv head j // rep."""
-    if rep == 1:
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention's keys or values [b, kv_heads, s, d] -> [b, heads, s, d]: query head
+    j uses kv head j // (heads / kv_heads). Done inside the attention modules, so whatever reaches
+    them (context parallelism's gather of the keys and values) moves the kv heads only."""
+    b, h, s, d = x.shape
+    if h == heads:
         return x
-    b, s, h, d = x.shape
-    return x[:, :, :, None, :].expand(b, s, h, rep, d).reshape(b, s, h * rep, d)
+    return x[:, :, None].expand(b, h, heads // h, s, d).reshape(b, heads, s, d)
 
 
 class RMSNorm(nn.Module):
@@ -107,18 +109,31 @@ def attention_mask(queries: torch.Tensor, keys: torch.Tensor,
     return (mask & same)[:, None]
 
 
+def position_mask(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq]: each query sees the keys of its document at or before its position,
+    wherever they are in the sequence (context parallelism reorders it)."""
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & (positions[:, None, :] <= positions[:, :, None]))[:, None]
+
+
 class ScaledDotProductAttention(nn.Module):
-    """Causal attention over [batch, heads, seq, head_dim], within documents if `document_ids`
-    [batch, seq] are given; a module so a kernel can replace it (attention_kernels.py)."""
+    """Causal attention over [batch, heads, seq, head_dim]; given `document_ids` and `positions`
+    [batch, seq], within documents and by position; a module so a kernel can replace it
+    (attention_kernels.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         # SDPA's decomposition (and `@`) folds batch and heads into one dimension, which cannot be
         # split over two mesh axes: with a sharded batch, tensor parallelism would then gather
         # every head onto every device. einsum keeps them apart.
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
-        seq = torch.arange(q.shape[-2], device=q.device)
-        mask = attention_mask(seq, seq, document_ids)
+        if positions is None:
+            seq = torch.arange(q.shape[-2], device=q.device)
+            mask = attention_mask(seq, seq, None)
+        else:
+            mask = position_mask(document_ids, positions)
         probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
         return torch.einsum("bhqk,bhkd->bhqd", probs, v)
 

@@ -44,7 +44,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.query_scale = args.yarn.mscale_of(args.yarn.mscale_all_dim) ** 2 if args.yarn else 1.0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                *mask: torch.Tensor) -> torch.Tensor:
         # Parts by slicing, not split(sizes): torch_xla 2.9 without functionalization (the replayed
         # step's mode) returns wrong values from split with a list of sizes (tests/test_deepseek_training.py).
         bsz, seqlen, _ = x.shape
@@ -60,8 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv = kv.view(bsz, seqlen, self.n_heads, self.nope_dim + self.v_dim)
         k = torch.cat([kv[..., :self.nope_dim], k_rope.expand(-1, -1, self.n_heads, -1)], -1)
         v = kv[..., self.nope_dim:]
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                        *(() if document_ids is None else (document_ids,)))
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

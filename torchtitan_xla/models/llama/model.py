@@ -29,7 +29,6 @@ from torchtitan_xla.models.llama.layers import (
     RMSNorm,
     ScaledDotProductAttention,
     apply_rope,
-    repeat_kv,
     rope_tables,
 )
 from torchtitan_xla.models.llama.mla import MultiHeadLatentAttention
@@ -52,7 +51,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                *mask: torch.Tensor) -> torch.Tensor:
+        """`mask`: (document_ids, positions) [batch, seq] each, or nothing for plain causal
+        attention in index order."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -60,10 +61,9 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
-        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                        *(() if document_ids is None else (document_ids,)))
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads (the
+        # attention module repeats them).
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -93,12 +93,12 @@ class TransformerBlock(nn.Module):
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
-        if document_ids is not None and isinstance(self.feed_forward, MoE):
+                *mask: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, *mask)
+        if mask and isinstance(self.feed_forward, MoE):
             # Padding (document 0) is routed nowhere: it takes no expert slot and no share of
             # the router losses.
-            return h + self.feed_forward(self.ffn_norm(h), document_ids != 0)
+            return h + self.feed_forward(self.ffn_norm(h), mask[0] != 0)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -130,12 +130,11 @@ class Layers(nn.ModuleDict):
     """The transformer blocks, keyed "0".."n-1" (names stay stable whatever wraps the blocks)."""
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # Passed on only when given: wrappers (checkpointing, scan) then see the arguments they
-        # always saw.
-        extra = () if document_ids is None else (document_ids,)
+                *mask: torch.Tensor) -> torch.Tensor:
+        """`mask`: (document_ids, positions), or nothing (causal in index order). Passed on as
+        positional arguments only when given: wrappers (checkpointing, scan) see plain tensors."""
         for layer in self.values():
-            h = layer(h, cos, sin, *extra)
+            h = layer(h, cos, sin, *mask)
         return h
 
 
@@ -159,7 +158,9 @@ class Transformer(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]. Several documents packed in
         one sequence: `positions` [batch, seq] (restarting at each document) and `document_ids`
-        [batch, seq] (attention stays within a document)."""
+        [batch, seq] (attention stays within a document). The mask is then computed from the
+        positions, not the order of the tokens, so a sequence may arrive reordered (context
+        parallelism's load balancing)."""
         return self.output(self.hidden_states(tokens, positions, document_ids))
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -174,7 +175,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[:seqlen].clone(), self.rope_sin[:seqlen].clone()
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        h = self.layers(self.tok_embeddings(tokens), cos, sin, document_ids)
+        if (positions is None) != (document_ids is None):
+            raise ValueError("positions and document_ids are given together, or neither")
+        mask = () if document_ids is None else (document_ids, positions)
+        h = self.layers(self.tok_embeddings(tokens), cos, sin, *mask)
         return self.norm(h)
 
     @torch.no_grad()
