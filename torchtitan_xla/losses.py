@@ -25,7 +25,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan_xla import runtime
@@ -35,7 +34,8 @@ from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 IGNORE_INDEX = -100
 
 # (model, inputs, labels[, positions, document_ids]) -> per-token losses [dp ranks, tokens per
-# rank] or [dp ranks, rows per rank, seq], float32. Positions and document ids come with packed conversations (datasets/chat.py).
+# rank] or [dp ranks, rows per rank, seq], float32. Positions and document ids come with packed
+# conversations (datasets/chat.py) and with context parallelism's reordered sequences.
 LossFn = Callable[..., torch.Tensor]
 
 
@@ -141,9 +141,9 @@ def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torch.dtype | None,
                   plain: bool = False) -> LossFn:
     """The step's loss: (model, inputs [batch, seq], labels[, positions, document_ids]) -> per-token
-    losses [dp ranks, rows per rank, seq] (chunked: [dp ranks, tokens per rank]) in float32, 0 where the label is IGNORE_INDEX. The batch's
-    rows are split into `dp_degree` contiguous blocks, one per data-parallel rank (the batch
-    sharding), so chunks never cross a rank's rows.
+    losses [dp ranks, rows per rank, seq] (chunked: [dp ranks, tokens per rank]) in float32, 0
+    where the label is IGNORE_INDEX. The batch's rows are split into `dp_degree` contiguous blocks,
+    one per data-parallel rank (the batch sharding), so chunks never cross a rank's rows.
     `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
     cfg = job_config.loss
     smoothing, z = (0.0, 0.0) if plain else (cfg.label_smoothing, cfg.z_loss_weight)

@@ -7,17 +7,20 @@ The reordering happens on the host, before the batch reaches the devices, on tok
 positions and document ids together; the model takes positions and document ids, computes RoPE
 and the attention mask from them (models/llama/layers.py: `position_mask`), and so never sees the
 order. The per-token losses come out in the same order as the labels, and are summed: nothing to
-restore. The sharding side (activations split over `cp`, keys and values gathered) is
-`apply_activation_sharding` in parallelize_llama.py.
+restore. The sharding side: `apply_activation_sharding` in parallelize_llama.py (activations split
+over `cp`, keys and values gathered), with the projections here.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from torchtitan_xla.parallelisms.parallel_dims import ParallelDims
+from torchtitan_xla import runtime
+from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
 
 
 def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
@@ -51,5 +54,30 @@ def attention_work(positions: torch.Tensor, document_ids: torch.Tensor, cp: int)
     counted from the mask each device holds: its own queries against every key."""
     queries = positions.view(cp, -1)
     docs = document_ids.view(cp, -1)
-    seen = (positions[None, None, :] <= queries[:, :, None]) & (document_ids[None, None, :] == docs[:, :, None])
+    seen = ((positions[None, None, :] <= queries[:, :, None])
+            & (document_ids[None, None, :] == docs[:, :, None]))
     return seen.sum((1, 2)).tolist()
+
+
+def project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
+    """Every projection of the block computed on this device's part of the sequence, as an einsum:
+    nn.Linear flattens [batch, seq] into one dimension, which cannot be split over both the batch
+    and the `cp` axes, so XLA gathered the sequence at every projection, forward and backward. The
+    outputs of all but the row-parallel ones (which the block's hooks constrain) are held on the
+    sequence split, so the keys and values are gathered after their projections and their
+    gradients reduce-scattered before the projections' backward."""
+    from torchtitan_xla.parallelisms.parallelize_llama import tp_spec  # (it imports this module)
+
+    for name, layer in block.named_modules():
+        if type(layer) is not nn.Linear:
+            continue
+        layer.forward = functools.partial(einsum_linear, layer)
+        out_axis, in_axis = tp_spec(f"layers.0.{name}.weight", 2)
+        if in_axis is None:
+            on_shards = runtime.constraint(mesh, (BATCH_AXES, seq, out_axis))
+            layer.register_forward_hook(lambda m, args, out, c=on_shards: c(out))
+
+
+def einsum_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for x [batch, seq, in] without a bias, the token dimensions kept apart."""
+    return torch.einsum("bsi,oi->bso", x, layer.weight)

@@ -6,8 +6,9 @@ sharded), `ep` (experts split; these devices are data-parallel ranks too, and de
 sharded over fsdp and ep together, as torchtitan's EP borrows from its FSDP dimension), `cp`
 (context parallel: each sequence split over these devices; for the weights they are FSDP ranks
 too, as in torchtitan), `tp` (tensor parallel, innermost so a TP group is made of neighbouring
-devices; `cp` and `ep` next, so the key/value gathers and the all-to-alls stay among near devices). Every axis always exists, with size 1 when unused, so a partition spec
-means the same thing on every mesh.
+devices; `cp` and `ep` next, so the key/value gathers and the all-to-alls stay among near
+devices). Every axis always exists, with size 1 when unused, so a partition spec means the same
+thing on every mesh.
 
 All checks run before anything is compiled and each fails with one line naming the keys involved.
 """

@@ -21,6 +21,7 @@ from torchtitan_xla.config import JobConfig
 from torchtitan_xla.config.run_sections import ActivationCheckpoint
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
+from torchtitan_xla.parallelisms.context_parallel import einsum_linear, project_on_sequence_shards
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
 from torchtitan_xla.runtime import Spec
 
@@ -172,8 +173,10 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) ->
     Context parallelism (`seq` = "cp"): every activation is split along the sequence over `cp` as
     well (outside `tp`'s split), except the keys and values attention reads, whole on every device:
     XLA all-gathers them over `cp` in the forward pass and reduce-scatters their gradients."""
-    seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))  # [batch, seq, dim]
-    # The norms feed column-parallel layers, which need whole sequences: Megatron-SP's all-gather.
+    # [batch, seq, dim]
+    seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))
+    # The norms feed column-parallel layers, which need whole sequences (of this device's part):
+    # Megatron-SP's all-gather.
     seq_whole = runtime.constraint(mesh, (BATCH_AXES, seq, None))
     # [batch, heads, seq, head_dim]: the queries (and the output) on this device's part of the
     # sequence, the keys and values of all of it.
@@ -193,33 +196,11 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) ->
             lambda m, args: (queries(args[0]), keys(args[1]), keys(args[2]), *args[3:]))
         if seq:
             block.attention.sdpa.register_forward_hook(lambda m, args, out: queries(out))
-            _project_on_sequence_shards(block, mesh, seq)
+            project_on_sequence_shards(block, mesh, seq)
     model.norm.register_forward_hook(lambda m, args, out: seq_whole(out))
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
     if seq and type(model.output) is nn.Linear:
-        model.output.forward = functools.partial(_einsum_linear, model.output)
-
-
-def _project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
-    """Every projection of the block computed on this device's part of the sequence, as an einsum:
-    nn.Linear flattens [batch, seq] into one dimension, which cannot be split over both the batch
-    and the `cp` axes, so XLA gathered the sequence at every projection, forward and backward. The
-    outputs of all but the row-parallel ones (which the block's hooks constrain) are held on the
-    sequence split, so the keys and values are gathered after their projections and their
-    gradients reduce-scattered before the projections' backward."""
-    for name, layer in block.named_modules():
-        if type(layer) is not nn.Linear:
-            continue
-        layer.forward = functools.partial(_einsum_linear, layer)
-        out_axis, in_axis = tp_spec(f"layers.0.{name}.weight", 2)
-        if in_axis is None:
-            layer.register_forward_hook(
-                lambda m, args, out, c=runtime.constraint(mesh, (BATCH_AXES, seq, out_axis)): c(out))
-
-
-def _einsum_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) for x [batch, seq, in] without a bias, the token dimensions kept apart."""
-    return torch.einsum("bsi,oi->bso", x, layer.weight)
+        model.output.forward = functools.partial(einsum_linear, model.output)
 
 
 def apply_local_attention(model: nn.Module, mesh) -> None:
