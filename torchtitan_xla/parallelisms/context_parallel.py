@@ -62,10 +62,12 @@ def attention_work(positions: torch.Tensor, document_ids: torch.Tensor, cp: int)
 def project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
     """Every projection of the block computed on this device's part of the sequence, as an einsum:
     nn.Linear flattens [batch, seq] into one dimension, which cannot be split over both the batch
-    and the `cp` axes, so XLA gathered the sequence at every projection, forward and backward. The
-    outputs of all but the row-parallel ones (which the block's hooks constrain) are held on the
-    sequence split, so the keys and values are gathered after their projections and their
-    gradients reduce-scattered before the projections' backward."""
+    and the `cp` axes, so XLA gathered the sequence at every projection, forward and backward.
+    Each projection's input, and its output unless row-parallel (the block's hooks constrain
+    those), is held on the sequence split: the keys and values are then gathered after their
+    projections, their gradients reduce-scattered before the projections' backward, and no weight
+    gradient is computed from gathered activations (under TP, XLA gathered the attention output
+    and the SwiGLU hidden for wo's and w2's)."""
     from torchtitan_xla.parallelisms.parallelize_llama import tp_spec  # (it imports this module)
 
     for name, layer in block.named_modules():
@@ -73,9 +75,10 @@ def project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
             continue
         layer.forward = functools.partial(einsum_linear, layer)
         out_axis, in_axis = tp_spec(f"layers.0.{name}.weight", 2)
-        if in_axis is None:
-            on_shards = runtime.constraint(mesh, (BATCH_AXES, seq, out_axis))
-            layer.register_forward_hook(lambda m, args, out, c=on_shards: c(out))
+        inputs = runtime.constraint(mesh, (BATCH_AXES, seq, in_axis))
+        layer.register_forward_pre_hook(lambda m, args, c=inputs: (c(args[0]),))
+        outputs = runtime.constraint(mesh, (BATCH_AXES, seq, out_axis))
+        layer.register_forward_hook(lambda m, args, out, c=outputs: c(out))
 
 
 def einsum_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

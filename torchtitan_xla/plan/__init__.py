@@ -118,8 +118,9 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
 def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
                     global_batch: int) -> list[tuple[list[str], int]]:
     """Each single change that makes the job fit (activation checkpointing, the attention kernel,
-    loss chunking, half the local batch with gradient accumulation keeping the global batch, FSDP
-    over the replicas, a slice twice the size); if none does, all the memory savers at once."""
+    loss chunking, half the local batch with gradient accumulation keeping the global batch, twice
+    the context parallel degree, FSDP over the replicas, a slice twice the size); if none does, all
+    the memory savers at once."""
     t, ac = cfg.training, cfg.activation_checkpoint
     keep_global = ["--training.global_batch_size", str(global_batch)]
     savers = []
@@ -133,6 +134,9 @@ def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
         savers.append(["--loss.chunk_size", "1024"])
     if t.local_batch_size > 1:
         savers.append(["--training.local_batch_size", str(t.local_batch_size // 2), *keep_global])
+    cp = cfg.parallelism.context_parallel_degree
+    if cp > 1:  # each sequence over twice the devices (fewer data-parallel ranks: more microbatches)
+        savers.append(["--parallelism.context_parallel_degree", str(2 * cp), *keep_global])
     target = parse_slice(tpu)
     bigger = f"{target.chip.name}-{2 * target.chips * target.chip.cores_per_chip}"
     scale = [["--plan.tpu", bigger, *keep_global]]

@@ -44,6 +44,7 @@ def report(plan, cfg) -> str:
     ranks = math.prod(plan.mesh[a] for a in BATCH_AXES)
     microbatches = max(t.global_batch_size // (t.local_batch_size * ranks), 1)
     name, shape, spec = m.largest_shard
+    cp = plan.mesh["cp"]
     lines = [
         f"{cfg.model.name} {cfg.model.flavor} on {plan.slice.name}: {plan.slice.chips} {chip.name} chips, "
         f"{chip.hbm_bytes / GiB:g} GiB HBM each; mesh {mesh}",
@@ -53,7 +54,8 @@ def report(plan, cfg) -> str:
         f"  gradients    {_gib(m.gradients)}",
         f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name})",
         f"  activations  {_gib(m.activations)}   (seq {t.seq_len} x batch {t.local_batch_size} per rank"
-        + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "") + ", "
+        + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "")
+        + (f", split over cp {cp}: {t.seq_len // cp} tokens per device" if cp > 1 else "") + ", "
         f"AC {policy}, attention {cfg.model.attention}, loss on {loss}, {t.mixed_precision_param})",
         f"  total        {_gib(m.total)}   of {chip.hbm_bytes / GiB:g} GiB: "
         + (f"fits, margin {(plan.hbm - m.total) / GiB:.2f} GiB"
@@ -67,6 +69,10 @@ def report(plan, cfg) -> str:
     if args.mla:
         lines.append("  (latent attention: counted as Llama blocks of its mean width, not fitted: 4-28% over "
                      "the compiler's on the CPU debug model, docs/plan.md)")
+    if cp > 1:
+        lines.append("  (context parallelism: each device's sdpa scores [heads, seq/cp, seq] in the fitted "
+                     "terms, the whole sequence's keys and values and the weights gathered per block counted "
+                     "from their shapes: 0.94-1.02 of the compiler's on the CPU debug model, docs/plan.md)")
     if not plan.fits:
         lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
                      "loss chunks, smaller batch, more FSDP, a slice twice the size)")

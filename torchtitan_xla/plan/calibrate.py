@@ -1,7 +1,8 @@
 """What the compiler says: compile the training step of small configurations and read back XLA's
 buffer assignment (temporary bytes per device) and the collectives of its optimized HLO.
 
-    python -m torchtitan_xla.plan.calibrate --devices 8 POINTS.json
+    python -m torchtitan_xla.plan.calibrate POINTS.json --dump XLA_DUMP --run RUN_FOLDER
+    python -m torchtitan_xla.plan.calibrate --cp   # docs/plan.md's context-parallel tables
 
 Each point is {"args": [train.py flags], "model": {ModelArgs overrides}}; every point runs one
 step of train.main in this process (one process per device count, since XLA fixes it at start)
@@ -20,9 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+_CP, _TP = "--parallelism.context_parallel_degree", "--parallelism.tensor_parallel_degree"
 MESH_FLAGS = {  # mesh name -> the [parallelism] flags that build it (data_parallel_shard_degree -1)
-    "1": [], "fsdp8": [], "fsdp4tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "1": [], "fsdp8": [], "fsdp4tp2": [_TP, "2"],
     "hsdp2x4": ["--parallelism.data_parallel_replicate_degree", "2"],
+    # Context parallelism (sdpa attention only; seq a multiple of 2 x cp x tp): on 8 devices, and
+    # cp alone on 2 and 4.
+    "cp2fsdp4": [_CP, "2"], "cp4fsdp2": [_CP, "4"], "cp8": [_CP, "8"], "cp2fsdp2tp2": [_CP, "2", _TP, "2"],
+    "cp2": [_CP, "2"], "cp4": [_CP, "4"],
 }
 
 
@@ -156,12 +162,68 @@ def _left_out_of_fsdp(names: list[str]):
         pl.apply_fsdp = original
 
 
+def context_parallel_tables(seq: int = 1024) -> str:
+    """docs/plan.md's context-parallel tables (markdown), from 9 compiled steps of the debug model
+    cut to 2 blocks (dim 256, 16 heads, vocabulary 2256, AC none, sdpa, float32): temporaries per
+    device, compiled and planned, for 2 sequences of `seq` tokens split over cp = 1, 2, 4, 8 devices
+    (one process per device count), and for 8 sequences on 8 devices as fsdp=8, cp=2 x fsdp=4,
+    cp=4 x fsdp=2 and cp=8, with their collectives, compiled / theory."""
+    from .comms import KINDS
+    from .memory import temporaries
+
+    def point(mesh: str, batch: int) -> dict:
+        return grid_point(n_layers=2, dim=256, heads=16, seq=seq, batch=batch, vocab=2256, policy="none",
+                          attention="sdpa", chunk=0, mesh=mesh)
+
+    def rows(points: list[dict], devices: list[int], results: list[dict]) -> list[str]:
+        out, first = [], None
+        for p, n, result in zip(points, devices, results):
+            shape, parameter_bytes = calibration_shape({**p, "devices": n})
+            planned, temp = temporaries(shape, parameter_bytes), result["temp_bytes"]
+            # Activations: beyond the gradients (float32, as the parameters).
+            now = (temp - parameter_bytes, planned - parameter_bytes)
+            first = first or now
+            batch = p["args"][p["args"].index("--training.local_batch_size") + 1]
+            out.append(f"| {p['mesh']} | {n} | {batch} | {temp / 1e6:.1f} | {now[0] / 1e6:.1f} "
+                       f"| {now[0] / first[0]:.3f} | {planned / 1e6:.1f} | {now[1] / first[1]:.3f} "
+                       f"| {planned / temp:.3f} |")
+        return out
+
+    head = ["| mesh | devices | sequences per rank | compiled temp MB | activations MB (temp - gradients) "
+            "| factor | plan MB | plan's factor | plan / compiled |", "|---" * 9 + "|"]
+    cps = [1, 2, 4, 8]
+    alone = [point(f"cp{cp}" if cp > 1 else "1", 2) for cp in cps]
+    lines = [f"One global shape, 2 sequences of {seq} tokens, split over cp devices:", "", *head,
+             *rows(alone, cps, [measure([p], cp)[0] for p, cp in zip(alone, cps)])]
+    meshes = [("fsdp8", 1), ("cp2fsdp4", 2), ("cp4fsdp2", 4), ("cp8", 8)]
+    points = [point(mesh, batch) for mesh, batch in meshes]
+    results = measure(points, 8)
+    lines += ["", f"8 sequences of {seq} tokens on 8 devices:", "", *head, *rows(points, [8] * 4, results)]
+    lines += ["", "MB sent per device, compiled / theory:", "",
+              "| mesh | " + " | ".join(KINDS) + " | findings |", "|---" * (len(KINDS) + 2) + "|"]
+    for p, r in zip(points, results):
+        found, expected, findings = audit_point({**p, "devices": 8}, r)
+        volumes = " | ".join(f"{found[k] / 1e6:.3f} / {expected[k] / 1e6:.3f}" for k in KINDS)
+        whole = [f.split(" over ")[1].split(":")[0] for f in findings if "a whole gradient" in f]
+        named = [f for f in findings if "a whole gradient" not in f and ": " in f and " MB " not in f]
+        whole = [f"{whole.count(g)} whole gradients all-reduced over {g}" for g in sorted(set(whole))]
+        summary = ", ".join([*whole, *named]) or "nothing"
+        lines.append(f"| {p['mesh']} | {volumes} | {summary} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("points")
-    ap.add_argument("--dump", required=True, help="the folder XLA_FLAGS' --xla_dump_to names")
-    ap.add_argument("--run", required=True, help="dump_folder for the runs")
+    ap.add_argument("points", nargs="?")
+    ap.add_argument("--dump", help="the folder XLA_FLAGS' --xla_dump_to names")
+    ap.add_argument("--run", help="dump_folder for the runs")
+    ap.add_argument("--cp", action="store_true", help="print docs/plan.md's context-parallel tables instead")
     a = ap.parse_args()
-    _run(json.loads(Path(a.points).read_text()), Path(a.dump), Path(a.run))
+    if a.cp:
+        print(context_parallel_tables())
+    elif not (a.points and a.dump and a.run):
+        ap.error("POINTS, --dump and --run are needed (or --cp)")
+    else:
+        _run(json.loads(Path(a.points).read_text()), Path(a.dump), Path(a.run))

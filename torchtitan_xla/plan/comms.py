@@ -1,5 +1,5 @@
-"""The bytes each device sends per training step, by collective: what FSDP, HSDP and tensor
-parallelism need in theory, what the compiled step does (from its optimized HLO), and the audit
+"""The bytes each device sends per training step, by collective: what FSDP, HSDP, tensor, expert
+and context parallelism need in theory, what the compiled step does (from its optimized HLO), and the audit
 that compares them.
 
 Volumes are per device with ring algorithms on a group of n devices: an all-gather producing R
@@ -28,13 +28,26 @@ def sent_bytes(kind: str, result_bytes: float, group: int) -> float:
     return (group - 1) / group * result_bytes
 
 
+def recomputed(policy: str, block: int) -> bool:
+    """Whether activation checkpointing reruns block `block`'s forward in the backward (apply_ac:
+    every block under full, the (i+1)-th of every N under every-N)."""
+    if policy == "full":
+        return True
+    return policy.startswith("every-") and (block + 1) % int(policy.removeprefix("every-")) == 0
+
+
+def _block(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
 def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int, policy: str,
            param_bytes: int = 4, act_bytes: int = 4) -> dict[str, float]:
-    """Bytes sent per device per step, by kind, for the model's parameters under `param_specs`.
+    """Bytes sent per device per step, by kind, for the model's parameters under `param_specs`;
+    `tokens` per data-parallel rank and microbatch.
 
     FSDP (per microbatch): every sharded parameter gathered for the forward and again for the
-    backward (the embedding only for the forward; a third time for a fully recomputed block) and
-    its gradient reduce-scattered; a parameter FSDP cannot shard has its gradient all-reduced.
+    backward (the embedding only for the forward; once more for a recomputed block) and its
+    gradient reduce-scattered; a parameter FSDP cannot shard has its gradient all-reduced.
     HSDP: the gradient shard all-reduced over the replicas. Tensor parallelism with sequence
     parallelism, per block: the sequence gathered before attention and the MLP and reduce-scattered
     after them, forward, and the transposes backward, where XLA reduces the input gradient of each
@@ -49,7 +62,10 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
     expert weights over fsdp alone (each ep device keeps its experts: the tokens come to them), and
     each MoE block moves its expert-side tensor [experts, sequences, slots, dim] by all-to-all over
     ep twice forward (to the experts and back) and twice backward (twice more when recomputed).
-    The activation collectives of MoE blocks under tensor parallelism are not modelled."""
+    The activation collectives of MoE blocks under tensor parallelism are not modelled.
+
+    Context parallelism (`context_parallel`): FSDP's groups are fsdp x ep x cp, and each device
+    holds 1/cp of every sequence, so sequence parallelism's collectives move tokens / cp."""
     from torchtitan_xla.models.llama.moe import MoE
     from torchtitan_xla.parallelisms import MESH_AXES
     from torchtitan_xla.parallelisms.parallelize_llama import fsdp_axes, param_specs
@@ -58,6 +74,7 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
 
     out: dict[str, float] = defaultdict(float)
     r, t, e, a = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.ep, microbatches
+    cp = parallel_dims.cp
     sizes = dict(zip(MESH_AXES, parallel_dims.mesh_shape))
     specs = param_specs(model, parallel_dims)
     for name, p in model.named_parameters():
@@ -69,8 +86,14 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         kept = tuple(None if "fsdp" in ((s,) if isinstance(s, str) else (s or ())) else s for s in spec)
         whole = math.prod(shard_shape(tuple(p.shape), kept, sizes))  # elements per tp / ep shard
         n = fsdp_axes(kept, parallel_dims)[1]
-        if "fsdp" in axes:
-            gathers = 1 if "tok_embeddings" in name else 2 + (policy == "full" and "layers." in name)
+        block = _block(name)
+        if "fsdp" in axes and cp > 1 and "tok_embeddings" in name:
+            pass  # context_parallel's
+        elif "fsdp" in axes:
+            # With cp the projections are einsums, which read a gathered weight in one layout
+            # forward and backward: XLA gathers it once.
+            gathers = (1 if "tok_embeddings" in name or cp > 1 else 2) + (
+                block is not None and recomputed(policy, block))
             out["all-gather"] += a * gathers * sent_bytes("all-gather", whole * param_bytes, n)
             out["reduce-scatter"] += a * sent_bytes("reduce-scatter", whole * grad_bytes / n, n)
         else:
@@ -80,9 +103,9 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         local = whole / n if "fsdp" in axes else whole
         out["all-reduce"] += a * sent_bytes("all-reduce", local * grad_bytes, r)
     blocks = len(model.layers)
-    recompute = 2 * blocks if policy == "full" else 0
+    recompute = 2 * sum(recomputed(policy, i) for i in range(blocks))
     dim = model.tok_embeddings.weight.shape[1]
-    sequence = tokens * dim * act_bytes  # [tokens, dim]
+    sequence = tokens / cp * dim * act_bytes  # [tokens, dim] of this device's part of the sequences
     out["all-gather"] += a * (4 * blocks + 1 + recompute) * sent_bytes("all-gather", sequence, t)
     out["reduce-scatter"] += a * (7 * blocks + 1 + recompute) * sent_bytes("reduce-scatter", sequence / t, t)
     out["all-to-all"] += a * 2 * sent_bytes("all-to-all", sequence / t, t)
@@ -90,7 +113,54 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         slots = tokens // seq_len * moe.capacity(seq_len) * moe.num_experts  # expert-side rows
         moves = 4 + 2 * (policy == "full")
         out["all-to-all"] += a * moves * sent_bytes("all-to-all", slots * dim * act_bytes, e)
+    if cp > 1:
+        for kind, sent in context_parallel(model, parallel_dims, tokens=tokens, policy=policy,
+                                           param_bytes=param_bytes, act_bytes=act_bytes).items():
+            out[kind] += a * sent
     return {k: out.get(k, 0.0) for k in KINDS}
+
+
+def context_parallel(model, parallel_dims, *, tokens: int, policy: str, param_bytes: int = 4,
+                     act_bytes: int = 4) -> dict[str, float]:
+    """Bytes per device per microbatch that context parallelism adds to `theory`, as the compiled
+    step does them (tests/test_plan.py, docs/plan.md).
+
+    Keys and values: per block, those of the whole sequences [tokens, kv heads x (qk_head_dim +
+    v_dim) / tp] all-gathered over cp in the forward pass and their gradients reduce-scattered in
+    the backward; gathered again where the block's forward reruns (full, op: the gathers are not
+    matmul outputs, recomputed blocks of every-N).
+
+    The embedding: tokens come whole to every cp device, and XLA looks them up in the vocabulary
+    rows of the device's cp part rather than gather the table: the weight gathered over the rest
+    of its FSDP group (fsdp x ep) to vocab / cp rows, after two collective-permutes of its shard
+    (the rows re-laid from fsdp-major to cp-major order), the partial lookups [tokens, dim]
+    reduce-scattered over cp (in the weight's dtype); backward, their gradient gathered over cp and
+    the weight's gradient rows reduce-scattered over fsdp x ep."""
+    from torchtitan_xla.parallelisms.parallelize_llama import fsdp_axes, param_specs
+
+    out: dict[str, float] = defaultdict(float)
+    cp, t = parallel_dims.cp, parallel_dims.tp
+    args = model.args
+    kv = tokens * args.kv_heads * (args.qk_head_dim + args.v_dim) / t * act_bytes
+    for i in range(len(model.layers)):
+        regathered = policy == "op" or recomputed(policy, i)
+        out["all-gather"] += (1 + regathered) * sent_bytes("all-gather", kv, cp)
+        out["reduce-scatter"] += sent_bytes("reduce-scatter", kv / cp, cp)
+    table = model.tok_embeddings.weight
+    spec = param_specs(model, parallel_dims)["tok_embeddings.weight"]
+    if not any("fsdp" in ((s,) if isinstance(s, str) else (s or ())) for s in spec):
+        return out  # a table FSDP cannot shard: looked up whole on every device (theory's all-reduce)
+    rest = fsdp_axes((None,) * table.dim(), parallel_dims)[1] // cp  # the fsdp x ep part
+    rows = table.numel() / t / cp  # elements of the vocab / cp rows (of this device's tp part)
+    grad_bytes = GRAD_BYTES if table.requires_grad else 0  # a LoRA base table is frozen
+    out["all-gather"] += sent_bytes("all-gather", rows * param_bytes, rest)
+    if rest > 1:
+        out["collective-permute"] += 2 * sent_bytes("collective-permute", rows / rest * param_bytes, 2)
+    out["reduce-scatter"] += sent_bytes("reduce-scatter", rows / rest * grad_bytes, rest)
+    lookups = tokens * table.shape[1] / t * param_bytes
+    out["reduce-scatter"] += sent_bytes("reduce-scatter", lookups / cp, cp)
+    out["all-gather"] += sent_bytes("all-gather", lookups, cp)
+    return out
 
 
 def measured(ops: list[tuple[str, int, int, str]]) -> dict[str, float]:

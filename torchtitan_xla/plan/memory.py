@@ -11,7 +11,9 @@ O(seq)) divided over tensor parallelism; logits; and the weights' bytes. Its `CO
 fitted to XLA's own buffer assignment of 354 compiled steps on the CPU backend, in the regime of
 real runs (activations outweigh the sharded weights): worst error 8.6%, on points the fit did not
 see about 5% rms and up to 22% (docs/plan.md); tests/test_plan.py compiles a grid of shapes,
-policies and meshes and holds the model within 10% of the compiler.
+policies and meshes and holds the model within 10% of the compiler. Context parallelism divides
+the tokens per device by cp; what it keeps of whole sequences (keys and values) and whole weights
+beyond that is counted from shapes (`cp_excess`, `cp_held_weights`), as are MoE dispatch tensors.
 
 On paper only (not verified on TPU): bfloat16 activations as half the float32 ones (the CPU
 backend computes bfloat16 matmuls in float32, so it cannot measure them), flash / splash, scan as
@@ -99,6 +101,13 @@ class Shape:
     devices: int = 1
     moe_blocks: int = 0  # blocks with a mixture of experts (GShard's dispatch)
     moe_sequence_bytes: float = 0.0  # what such a block holds per sequence beyond a dense one (moe_excess)
+    cp: int = 1  # context parallel degree: each sequence split over this many devices
+    kv_features: int = 0  # features per token of the keys and values attention reads (kv_features)
+
+    @property
+    def tokens(self) -> float:
+        """Tokens per device per microbatch: the rank's sequences, split over `cp`."""
+        return self.seq * self.batch / self.cp
 
 
 @dataclass
@@ -200,6 +209,37 @@ def moe_excess(args, seq: int, tp: int, act_bytes: int, grouped_mm: bool) -> flo
     return dispatch + rows * (2 * args.dim + 3 * args.expert_hidden_dim / tp) * act_bytes
 
 
+def kv_features(args) -> int:
+    """Features per token of the keys and values attention's einsums read, together: heads x
+    (qk_head_dim + v_dim), after grouped-query attention's repeat (measured on the CPU: with 4 kv
+    heads of 16 the step holds the repeated, whole-sequence keys and values, as many bytes as with
+    16; the gathered kv heads are freed after the repeat)."""
+    return args.n_heads * (args.qk_head_dim + args.v_dim)
+
+
+def cp_excess(s: Shape) -> float:
+    """Bytes per device a block with context parallelism holds beyond the fitted per-token terms
+    (which count its tokens, 1/cp of each sequence), not fitted: the keys and values of the whole
+    sequences, gathered over `cp` for attention and kept for its backward, of which the fitted
+    terms count the device's own 1/cp. Each device's attention scores [heads, seq/cp, seq] need no
+    term: the fitted scores feature is per token x heads x seq, the full key length."""
+    if s.cp == 1:
+        return 0.0
+    return (1 - 1 / s.cp) * s.batch * s.seq * s.kv_features * s.act_bytes / s.tp
+
+
+def cp_held_weights(s: Shape) -> float:
+    """Bytes per device of whole block weights that context parallelism keeps beyond the one
+    gathered block the fit counts, not fitted. Its projections are einsums, which read a weight in
+    the same layout forward and backward, so XLA gathers each weight once per step and a block
+    that keeps its activations (AC none, every-N's kept blocks) keeps its gathered weights from
+    its forward to its backward (measured: 21 of 4 blocks' 28 gathered weights live at the compiled
+    step's peak, docs/plan.md). Under op and full the step regathers (none held, measured)."""
+    if s.cp == 1 or s.fsdp == 1 or not (s.policy == "none" or s.policy.startswith("every-")):
+        return 0.0
+    return (holding(s.n_layers, s.policy) - 1) * (4 * s.dim + 3 * s.ffn) * s.dim / s.tp * BYTES_PARAM
+
+
 def activation_shape(job_config: JobConfig, args, parallel_dims, microbatch: int) -> Shape:
     ac = job_config.activation_checkpoint
     policy = ac.mode if ac.mode != "selective" else (
@@ -210,13 +250,14 @@ def activation_shape(job_config: JobConfig, args, parallel_dims, microbatch: int
                  seq, microbatch, parallel_dims.tp, policy, job_config.model.attention,
                  job_config.loss.chunk_size, act_bytes, parallel_dims.shard_degree, parallel_dims.world_size,
                  sum(args.is_moe_layer(i) for i in range(args.n_layers)),
-                 moe_excess(args, seq, parallel_dims.tp, act_bytes, job_config.moe.grouped_mm))
+                 moe_excess(args, seq, parallel_dims.tp, act_bytes, job_config.moe.grouped_mm),
+                 parallel_dims.cp, kv_features(args))
 
 
 def features(s: Shape, parameter_bytes: int) -> list[float]:
     """`FEATURES` in bytes. Under FSDP a weight is whole on every device from its gather to its
     last use, and its gradient before the reduction."""
-    t, e = s.seq * s.batch, s.act_bytes
+    t, e = s.tokens, s.act_bytes
     scores = s.heads * s.seq
     per_token = [x * t * e / s.tp for x in (s.dim, s.ffn, scores * (s.attention == "sdpa"),
                                              scores * (s.attention == "blockwise"))]
@@ -239,19 +280,25 @@ def fit_group(s: Shape) -> str:
     return f"{policy}, {'mesh' if s.devices > 1 else '1 device'}"
 
 
+def holding(blocks: int, policy: str) -> int:
+    """How many of `blocks` hold their activations at once: every one that keeps them, and the
+    block whose backward runs where activation checkpointing recomputes them."""
+    if policy == "none":
+        return blocks
+    if policy.startswith("every-"):
+        return max(blocks - blocks // int(policy.removeprefix("every-")), min(blocks, 1))
+    return min(blocks, 1)
+
+
 def temporaries(s: Shape, parameter_bytes: int) -> int:
-    """The compiled step's temporary bytes per device, from `COEFFICIENTS`, and the MoE blocks'
-    dispatch beyond them (`moe_excess`): in every block that keeps its activations, in one (the
-    block whose backward runs) where activation checkpointing recomputes them."""
+    """The compiled step's temporary bytes per device, from `COEFFICIENTS`, and beyond them, in
+    every block that holds its activations (`holding`), the MoE blocks' dispatch (`moe_excess`, a
+    sequence's share per device under cp: not measured) and context parallelism's gathered keys
+    and values (`cp_excess`); and the gathered weights context parallelism keeps (`cp_held_weights`)."""
     c = COEFFICIENTS[fit_group(s)]
     fitted = sum(a * x for a, x in zip(c, features(s, parameter_bytes)))
-    if s.policy == "none":
-        kept = s.moe_blocks
-    elif s.policy.startswith("every-"):
-        kept = max(s.moe_blocks - s.moe_blocks // int(s.policy.removeprefix("every-")), min(s.moe_blocks, 1))
-    else:
-        kept = min(s.moe_blocks, 1)
-    return int(fitted + kept * s.batch * s.moe_sequence_bytes)
+    moe = holding(s.moe_blocks, s.policy) * s.batch / s.cp * s.moe_sequence_bytes
+    return int(fitted + moe + holding(s.n_layers, s.policy) * cp_excess(s) + cp_held_weights(s))
 
 
 def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None,
