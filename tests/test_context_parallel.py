@@ -209,8 +209,9 @@ def test_bad_context_parallel_settings_are_one_line_exit_2(flags, message, tmp_p
     assert "Traceback" not in run.stderr and not run.losses
 
 
-def test_context_parallel_is_refused_by_the_native_runtime_and_needs_sdpa():
-    """Both before anything is built, naming the key and why."""
+def test_context_parallel_is_refused_where_it_cannot_run_yet():
+    """The native runtime, kernels with an index mask, and what would gather the split sequence:
+    each before anything is built, naming the key and why."""
     native = ["--runtime.backend", "native", "--model.attention", "sdpa", P + "context_parallel_degree", "2"]
     with pytest.raises(ConfigError, match=re.escape(
             'context_parallel_degree = 2 is not available with [runtime] backend = "native" yet: its key '
@@ -221,3 +222,12 @@ def test_context_parallel_is_refused_by_the_native_runtime_and_needs_sdpa():
                 f"attention = {kernel!r} cannot take context parallelism ([parallelism] "
                 f"context_parallel_degree = 2)")):
             parse_args(tiny_args(Path("unused"), "--model.attention", kernel, P + "context_parallel_degree", "2"))
+    # Those that flatten [batch, seq] into tokens, which would gather the split sequence.
+    for flags, shown in ((["--loss.chunk_size", "128"], "--loss.chunk_size = 128"),
+                         (["--lora.rank", "8"], "--lora.rank = 8"),
+                         (["--float8.enable_float8_linear"], "--float8.enable_float8_linear = True")):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"command line: {shown} is not supported with context parallelism ([parallelism] "
+                f"context_parallel_degree = 2) yet")):
+            parse_args(tiny_args(Path("unused"), "--model.attention", "sdpa", P + "context_parallel_degree", "2",
+                                 *flags))

@@ -93,13 +93,33 @@ def _check_attention(cfg: JobConfig, sources) -> None:
                           f"kernels take values as wide as the queries and keys, and the latent attention of "
                           f"{cfg.model.name} {cfg.model.flavor} has {args.v_dim} against {args.qk_head_dim} "
                           f"features per head; use sdpa or blockwise")
+    _check_context_parallel(cfg, sources)
+
+
+def _check_context_parallel(cfg: JobConfig, sources) -> None:
+    """What a sequence split over `cp` devices cannot run with yet."""
     cp = cfg.parallelism.context_parallel_degree
-    if cp > 1 and cfg.model.attention != "sdpa":
+    if cp == 1:
+        return
+    cp_key = f"[parallelism] context_parallel_degree = {cp}"
+    if cfg.model.attention != "sdpa":
         # blockwise skips keys by index and the Pallas kernels mask by index: neither follows the
         # positions of a split (and reordered) sequence.
         raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r} cannot "
-                          f"take context parallelism ([parallelism] context_parallel_degree = {cp}): its "
-                          f"causal mask is by index, not by the positions of a split sequence; use sdpa")
+                          f"take context parallelism ({cp_key}): its causal mask is by index, not by "
+                          f"the positions of a split sequence; use sdpa")
+    # Each of these flattens [batch, seq] into one token dimension (LoRA's and float8's matmuls,
+    # the chunked loss's rows), which XLA can only do by gathering the split sequence.
+    clash = [(section, key, why) for section, key, on, why in (
+        ("loss", "chunk_size", cfg.loss.chunk_size, "each device's logits are already 1/cp of the "
+         "sequence's; set chunk_size = 0"),
+        ("lora", "rank", cfg.lora.rank, "LoRA's matmuls would gather the split sequence"),
+        ("float8", "enable_float8_linear", cfg.float8.enable_float8_linear,
+         "float8 matmuls would gather the split sequence")) if on]
+    if clash:
+        section, key, why = clash[0]
+        raise ConfigError(f"{sources.describe(section, key)} = {getattr(getattr(cfg, section), key)!r} "
+                          f"is not supported with context parallelism ({cp_key}) yet: {why}")
 
 
 # What the native runtime does not run yet: each refused in one line, before anything is built.
