@@ -25,6 +25,8 @@ COMMON = ["--model.attention", "sdpa", "--training.seq_len", str(SEQ), "--traini
           "--lr_scheduler.decay_ratio", "0"]
 CHAT = ["--training.dataset", "python_docs_chat"]
 UNBALANCED = [P + "context_parallel_load_balance", "false"]
+RING = [P + "context_parallel_rotate_method", "ring"]
+QWEN3 = ["--model.name", "qwen3"]
 # Local batch x data-parallel ranks (fsdp) = 2.
 CP8 = [P + "context_parallel_degree", "8", "--training.local_batch_size", "2"]
 CP4_FSDP2 = [P + "context_parallel_degree", "4", "--training.local_batch_size", "1"]
@@ -36,6 +38,11 @@ MESHES = {
     "cp2_fsdp2_tp2": CP2_FSDP2_TP2, "cp2_fsdp2_tp2_unbalanced": [*CP2_FSDP2_TP2, *UNBALANCED],
     "cp4_fsdp2_chat": [*CP4_FSDP2, *CHAT], "cp8_chat_unbalanced": [*CP8, *CHAT, *UNBALANCED],
     "cp4_fsdp2_full_ac": [*CP4_FSDP2, "--activation_checkpoint.mode", "full"],
+    # Ring attention: keys and values passed around the cp devices.
+    "cp4_fsdp2_ring": [*CP4_FSDP2, *RING], "cp2_fsdp2_tp2_ring": [*CP2_FSDP2_TP2, *RING],
+    "cp8_chat_ring": [*CP8, *CHAT, *RING], "cp8_unbalanced_ring": [*CP8, *UNBALANCED, *RING],
+    # Qwen3: grouped-query attention (16 heads, 4 kv heads of 32), query/key norms, tied output.
+    "qwen3_cp2_fsdp2_tp2": [*QWEN3, *CP2_FSDP2_TP2], "qwen3_cp4_fsdp2_ring": [*QWEN3, *CP4_FSDP2, *RING],
     "cp4_fsdp2_scan": [*CP4_FSDP2, "--compile.scan_layers"],
 }
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
@@ -47,7 +54,7 @@ MESH_RTOL = 2e-6
 def one_device(tmp_path_factory):
     """One device, the whole sequences: 7 steps saved at 3 and 6, and 5 steps of chat data."""
     out = tmp_path_factory.mktemp("cp1")
-    runs = {"one": [*CKPT, "--training.steps", "7"], "chat": CHAT}
+    runs = {"one": [*CKPT, "--training.steps", "7"], "chat": CHAT, "qwen3": QWEN3}
     results = train_many({k: tiny_args(out / k, *COMMON, "--training.local_batch_size", "2", *v)
                           for k, v in runs.items()}, devices=1, model_overrides=TWO_BLOCKS)
     return out, results
@@ -73,10 +80,11 @@ def eight_devices(one_device, tmp_path_factory):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_every_mesh_gives_one_devices_losses(mesh, one_device, eight_devices):
-    """cp=8, cp=4 x fsdp=2, cp=2 x fsdp=2 x tp=2, balanced or in order, on packed conversations,
-    with full activation checkpointing and with scan: the one-device losses of the same two
-    sequences, step by step, and no compile after the first step."""
-    reference = one_device[1]["chat" if "chat" in mesh else "one"]["losses"]
+    """cp=8, cp=4 x fsdp=2, cp=2 x fsdp=2 x tp=2, balanced or in order, gathering the keys and
+    values or passing them around the ring, on packed conversations, with full activation
+    checkpointing and with scan, Qwen3's grouped-query attention: the one-device losses of the same
+    two sequences, step by step, and no compile after the first step."""
+    reference = one_device[1][next((k for k in ("chat", "qwen3") if k in mesh), "one")]["losses"]
     run = eight_devices[mesh]
     assert set(run["losses"]) == {1, 2, 3, 4, 5}
     for step, loss in run["losses"].items():
@@ -105,15 +113,19 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in re.findall(r"\[([0-9,]*)\]", shape)[0].split(",") if d]
 
 
-@pytest.mark.parametrize("mesh, cp, tp", [("cp4_fsdp2", 4, 1), ("cp2_fsdp2_tp2", 2, 2), ("cp8", 8, 1)])
-def test_the_step_gathers_keys_and_values_over_cp_and_nothing_else_of_the_sequence(mesh, cp, tp, eight_devices):
+@pytest.mark.parametrize("mesh, cp, tp, kv_heads, head_dim", [
+    ("cp4_fsdp2", 4, 1, 16, 16), ("cp2_fsdp2_tp2", 2, 2, 16, 16), ("cp8", 8, 1, 16, 16),
+    ("qwen3_cp2_fsdp2_tp2", 2, 2, 4, 32)])
+def test_the_step_gathers_keys_and_values_over_cp_and_nothing_else_of_the_sequence(
+        mesh, cp, tp, kv_heads, head_dim, eight_devices):
     """The compiled step's optimized HLO: whatever has the whole sequence's length is a block's keys
-    or values [rows, seq, kv heads / tp, head_dim], all-gathered over the cp group forward (2 per
-    block) and their gradients reduce-scattered back backward; nothing is permuted, and no other
+    or values [rows, seq, kv heads / tp, head_dim] (grouped-query attention: the kv heads only),
+    all-gathered over the cp group forward (2 per block) and their gradients reduce-scattered back
+    backward; nothing is permuted, and no other
     activation is gathered whole but the embedding's gradient, which its FSDP backward gathers from
     every device that splits the tokens, as without cp (with fsdp > 1 as [tokens, dim] rows)."""
     rows = 2 // (8 // cp // tp)  # local batch: 2 sequences over the fsdp ranks
-    kv = [rows, SEQ, 16 // tp, 16]
+    kv = [rows, SEQ, kv_heads // tp, head_dim]
     whole = [(kind, group, _dims(shape)) for kind, _, group, shape in _step_collectives(eight_devices[mesh])
              if SEQ in _dims(shape) or kind == "collective-permute"]
     gathers = [w for w in whole if w == ("all-gather", cp, kv)]
@@ -231,3 +243,33 @@ def test_context_parallel_is_refused_where_it_cannot_run_yet():
                 f"context_parallel_degree = 2) yet")):
             parse_args(tiny_args(Path("unused"), "--model.attention", "sdpa", P + "context_parallel_degree", "2",
                                  *flags))
+
+
+@pytest.mark.parametrize("mesh, cp, tp, kv_heads, head_dim", [
+    ("cp4_fsdp2_ring", 4, 1, 16, 16), ("cp2_fsdp2_tp2_ring", 2, 2, 16, 16), ("qwen3_cp4_fsdp2_ring", 4, 1, 4, 32)])
+def test_ring_attention_passes_keys_and_values_by_collective_permutes(mesh, cp, tp, kv_heads, head_dim,
+                                                                      eight_devices):
+    """Ring attention's compiled step: each block passes its keys and values on cp - 1 times, one
+    chunk [rows, kv heads / tp, 1, seq / cp, head_dim] per collective permute (and their gradients
+    back in the backward: 4 (cp - 1) per block in all), with the chunk's positions and document ids
+    (int64); nothing of the sequence's length is gathered (on these meshes the embedding's gradient
+    is gathered as [tokens, dim] rows)."""
+    rows = 2 // (8 // cp // tp)
+    chunk = [rows, kv_heads // tp, 1, SEQ // cp, head_dim]
+    ops = _step_collectives(eight_devices[mesh])
+    permutes = [(_dims(shape), shape[:3]) for kind, _, _, shape in ops if kind == "collective-permute"]
+    float_chunks = [d for d, dtype in permutes if dtype == "f32" and d == chunk]
+    ids = [d for d, dtype in permutes if dtype == "s64" and d == [rows, 1, SEQ // cp]]
+    assert len(float_chunks) == 2 * 4 * (cp - 1), permutes  # 2 blocks x (k, v; forward, backward)
+    assert len(ids) == 2 * 2 * (cp - 1), permutes  # positions and document ids, forward
+    assert not [shape for kind, _, _, shape in ops if kind == "all-gather" and SEQ in _dims(shape)]
+    # Bytes: the plan's theory (with the embedding's two permutes of its rows when fsdp > 1).
+    from torchtitan_xla.parallelisms import ParallelDims
+    from torchtitan_xla.plan import comms
+    from torchtitan_xla.plan.memory import build_meta_model
+
+    cfg = parse_args(tiny_args(Path("unused"), *COMMON, *MESHES[mesh]))
+    dims = ParallelDims.from_config(cfg.parallelism, 8)
+    _, model = build_meta_model(cfg, **TWO_BLOCKS)
+    theory = comms.theory(model, dims, tokens=rows * SEQ, seq_len=SEQ, microbatches=1, policy="none")
+    assert comms.measured(ops)["collective-permute"] == pytest.approx(theory["collective-permute"], rel=0.05)

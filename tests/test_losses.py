@@ -39,11 +39,14 @@ def test_label_smoothing_and_z_loss_match_their_formulas():
             want = 0.0 if y == IGNORE_INDEX else (
                 (1 - eps) * -log_p[y] + eps * -sum(log_p) / VOCAB + z * lse * lse)
             assert got[r, t].item() == pytest.approx(want, rel=1e-12, abs=1e-12), (r, t)
-    # No smoothing, no z: the usual cross-entropy, the same sums in float64 (written as reductions
-    # over the vocabulary, not F.cross_entropy's, so they are not bit-identical to it).
-    plain = token_losses(x, labels)
-    torch.testing.assert_close(plain, torch.nn.functional.cross_entropy(
-        x.flatten(0, 1), labels.flatten(), reduction="none").view(RANKS, TOKENS), rtol=1e-14, atol=1e-14)
+    plain = token_losses(x, labels)  # no smoothing, no z: the usual cross-entropy
+    assert torch.equal(plain, torch.nn.functional.cross_entropy(
+        x.flatten(0, 1), labels.flatten(), reduction="none").view(RANKS, TOKENS))
+    # On logits split along the sequence (context parallelism): reductions over the vocabulary,
+    # the same values in float64.
+    for eps_, z_ in ((0.0, 0.0), (eps, z)):
+        torch.testing.assert_close(token_losses(x, labels, label_smoothing=eps_, z_loss=z_, split_sequence=True),
+                                   token_losses(x, labels, label_smoothing=eps_, z_loss=z_), rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 24])

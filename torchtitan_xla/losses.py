@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan_xla import runtime
@@ -40,14 +41,30 @@ LossFn = Callable[..., torch.Tensor]
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0) -> torch.Tensor:
-    """The loss of every token from logits [..., vocab] (computed in float32 or wider), as four
-    reductions over the vocabulary (the max, the sum of exponentials, the label's logit, the mean):
-    never a reshape of the token dimensions, so logits split over the sequence (context
-    parallelism) or the vocabulary (tensor parallelism) stay split. (XLA gathered the sequence to
-    flatten [batch, seq] for F.cross_entropy; DTensor has no rule for cross_entropy or logsumexp
-    on vocab shards and would gather them: here each reduction is a per-shard value combined.)"""
+                 z_loss: float = 0.0, split_sequence: bool = False) -> torch.Tensor:
+    """The loss of every token from logits [..., vocab] (computed in float32 or wider).
+    `split_sequence`: the logits are split along the sequence over devices (context parallelism),
+    which flattening [batch, seq] for F.cross_entropy would gather: reductions over the vocabulary
+    instead (they hold one more [tokens, vocab] buffer at the peak: the label gather's gradient)."""
     logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    if isinstance(logits, DTensor) or split_sequence:
+        return _vocab_reduced_token_losses(logits, labels, label_smoothing, z_loss)
+    flat = logits.flatten(0, -2)
+    losses = F.cross_entropy(flat, labels.flatten(), reduction="none", label_smoothing=label_smoothing,
+                             ignore_index=IGNORE_INDEX)
+    if z_loss:
+        valid = labels.flatten() != IGNORE_INDEX
+        losses = losses + z_loss * torch.logsumexp(flat, dim=-1).square() * valid
+    return losses.view(labels.shape)
+
+
+def _vocab_reduced_token_losses(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
+                                z_loss: float) -> torch.Tensor:
+    """token_losses as four reductions over the vocabulary (the max, the sum of exponentials, the
+    label's logit, the sum), the token dimensions left as they are. On the native runtime's
+    vocab-sharded DTensor logits each is a per-shard value all-reduced over `tp`, so the full logits
+    never exist on one device (DTensor has no such rule for F.cross_entropy or logsumexp: it would
+    gather them)."""
     valid = (labels != IGNORE_INDEX).unsqueeze(-1)  # [..., 1] throughout: DTensor's masked
     # partial (the label's logit on the shard that holds it) must be reduced in the gather's shape
     top = logits.detach().amax(-1, keepdim=True)  # exp's range; its gradient would cancel
@@ -147,13 +164,14 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
     `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
     cfg = job_config.loss
     smoothing, z = (0.0, 0.0) if plain else (cfg.label_smoothing, cfg.z_loss_weight)
+    split = job_config.parallelism.context_parallel_degree > 1
     autocast = dict(device_type=runtime.autocast_device_type(), dtype=autocast_dtype or torch.bfloat16,
                     enabled=autocast_dtype is not None)
 
     def full(model, inputs, labels, *packing):
         with torch.autocast(**autocast):
             logits = model(inputs, *packing)
-        losses = token_losses(logits, labels, label_smoothing=smoothing, z_loss=z)
+        losses = token_losses(logits, labels, label_smoothing=smoothing, z_loss=z, split_sequence=split)
         # [dp ranks, rows, seq]: rows and sequence never merged (a split sequence would be gathered).
         return losses.view(dp_degree, -1, losses.shape[-1])
 

@@ -34,6 +34,11 @@ class Parallelism:
         "context_parallel_degree chunks and device i holds chunks i and 2 x degree - 1 - i, so "
         "every device has the same share of the causal attention (positions and the attention "
         "mask follow the tokens). seq_len must then be a multiple of 2 x the degree.")
+    context_parallel_rotate_method: Literal["allgather", "ring"] = opt(
+        "allgather", "How attention reaches the keys and values of the whole sequence with context "
+        "parallelism: allgather (each block's keys and values gathered over the cp devices) or ring "
+        "(they are passed around the cp devices in cp steps by collective permutes, with an online "
+        "softmax: no device holds the whole sequence's).")
     num_slices: int = opt(
         1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
         "data_parallel_replicate_degree must be a multiple of it.", gt=0)

@@ -81,6 +81,7 @@ def project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
         layer.register_forward_hook(lambda m, args, out, c=outputs: c(out))
 
 
-def einsum_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) for x [batch, seq, in] without a bias, the token dimensions kept apart."""
+def einsum_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for x [batch, seq, in] and a layer with a `weight` [out, in] and no bias, the token
+    dimensions kept apart."""
     return torch.einsum("bsi,oi->bso", x, layer.weight)

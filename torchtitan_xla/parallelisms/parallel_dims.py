@@ -36,6 +36,7 @@ class ParallelDims:
     ep: int = 1
     cp: int = 1
     cp_load_balance: bool = True
+    cp_rotate: str = "allgather"  # how attention reaches the other devices' keys: allgather or ring
 
     @classmethod
     def from_config(cls, cfg: Parallelism, num_devices: int) -> ParallelDims:
@@ -57,7 +58,8 @@ class ParallelDims:
             raise ConfigError(f"[parallelism] {_product(rep, shard, ep, cp, tp)} = "
                               f"{rep * shard * ep * cp * tp}, but there are {num_devices} devices")
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, num_slices=cfg.num_slices, ep=ep, cp=cp,
-                   cp_load_balance=cfg.context_parallel_load_balance)
+                   cp_load_balance=cfg.context_parallel_load_balance,
+                   cp_rotate=cfg.context_parallel_rotate_method)
 
     @property
     def world_size(self) -> int:

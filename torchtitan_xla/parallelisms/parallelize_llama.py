@@ -23,6 +23,7 @@ from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.context_parallel import einsum_linear, project_on_sequence_shards
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
+from torchtitan_xla.parallelisms.ring_attention import apply_ring_attention
 from torchtitan_xla.runtime import Spec
 
 # Megatron layout by parameter name. Column-parallel layers split their output features over `tp`,
@@ -160,7 +161,7 @@ def apply_ep(model: nn.Module, mesh) -> None:
         moe.expert_outputs.register_forward_hook(lambda m, args, out: by_batch(by_expert(out)))
 
 
-def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) -> None:
+def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ring: bool = False) -> None:
     """Constrain activations at module boundaries, on every mesh: the batch over the data-parallel
     axes; the residual stream between blocks split along the sequence over `tp` (norms and residual
     adds then run on sequence shards, and XLA turns the row-parallel reductions into
@@ -172,7 +173,8 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) ->
 
     Context parallelism (`seq` = "cp"): every activation is split along the sequence over `cp` as
     well (outside `tp`'s split), except the keys and values attention reads, whole on every device:
-    XLA all-gathers them over `cp` in the forward pass and reduce-scatters their gradients."""
+    XLA all-gathers them over `cp` in the forward pass and reduce-scatters their gradients. With
+    `ring` attention they stay split too: the attention module passes them around (ring_attention.py)."""
     # [batch, seq, dim]
     seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))
     # The norms feed column-parallel layers, which need whole sequences (of this device's part):
@@ -181,7 +183,11 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) ->
     # [batch, heads, seq, head_dim]: the queries (and the output) on this device's part of the
     # sequence, the keys and values of all of it.
     queries = runtime.constraint(mesh, (BATCH_AXES, "tp", seq, None))
-    keys = runtime.constraint(mesh, (BATCH_AXES, "tp", None, None))
+    # Whole keys and values in the forward pass only: their gradients, partial sums over the cp
+    # devices, are reduce-scattered where the projections' outputs are constrained to sequence
+    # shards. (A constraint on the gradient here made XLA all-reduce them whole, and under
+    # grouped-query attention at the repeated heads' width.)
+    keys = queries if ring else runtime.constraint(mesh, (BATCH_AXES, "tp", None, None), gradient=not seq)
     vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, seq, "tp"))  # [batch, seq, vocab]
     for block in model.layers.values():
         block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
@@ -199,7 +205,7 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None) ->
             project_on_sequence_shards(block, mesh, seq)
     model.norm.register_forward_hook(lambda m, args, out: seq_whole(out))
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
-    if seq and type(model.output) is nn.Linear:
+    if seq:  # nn.Linear or the tied embedding's TiedOutput: both flatten the tokens
         model.output.forward = functools.partial(einsum_linear, model.output)
 
 
@@ -363,8 +369,11 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
         apply_tp(model, mesh, parallel_dims)
     if parallel_dims.ep > 1:
         apply_ep(model, mesh)
+    ring = parallel_dims.cp > 1 and parallel_dims.cp_rotate == "ring"
+    if ring:
+        apply_ring_attention(model, mesh, parallel_dims.cp)
     if parallel_dims.world_size > 1:
-        apply_activation_sharding(model, mesh, parallel_dims.seq_axis)
+        apply_activation_sharding(model, mesh, parallel_dims.seq_axis, ring)
     apply_local_attention(model, mesh)
     ac = job_config.activation_checkpoint
     if not job_config.compile.scan_layers:  # under scan, the scan's partitioner does it

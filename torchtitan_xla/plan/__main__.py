@@ -72,7 +72,7 @@ def report(plan, cfg) -> str:
     if cp > 1:
         lines.append("  (context parallelism: each device's sdpa scores [heads, seq/cp, seq] in the fitted "
                      "terms, the whole sequence's keys and values and the weights gathered per block counted "
-                     "from their shapes: 0.94-1.02 of the compiler's on the CPU debug model, docs/plan.md)")
+                     "from their shapes: 0.92-1.02 of the compiler's on the CPU debug model, docs/plan.md)")
     if not plan.fits:
         lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
                      "loss chunks, smaller batch, more FSDP, a slice twice the size)")

@@ -128,7 +128,9 @@ def context_parallel(model, parallel_dims, *, tokens: int, policy: str, param_by
     Keys and values: per block, those of the whole sequences [tokens, kv heads x (qk_head_dim +
     v_dim) / tp] all-gathered over cp in the forward pass and their gradients reduce-scattered in
     the backward; gathered again where the block's forward reruns (full, op: the gathers are not
-    matmul outputs, recomputed blocks of every-N).
+    matmul outputs, recomputed blocks of every-N). Ring attention instead passes each device's
+    chunk on cp - 1 times by collective permutes, with its positions and document ids (int64),
+    and the gradients back the same way (the same bytes as the gathers).
 
     The embedding: tokens come whole to every cp device, and XLA looks them up in the vocabulary
     rows of the device's cp part rather than gather the table: the weight gathered over the rest
@@ -142,8 +144,13 @@ def context_parallel(model, parallel_dims, *, tokens: int, policy: str, param_by
     cp, t = parallel_dims.cp, parallel_dims.tp
     args = model.args
     kv = tokens * args.kv_heads * (args.qk_head_dim + args.v_dim) / t * act_bytes
+    ids = 2 * tokens / cp * 8  # positions and document ids of one chunk, int64
     for i in range(len(model.layers)):
         regathered = policy == "op" or recomputed(policy, i)
+        if parallel_dims.cp_rotate == "ring":
+            forward = (cp - 1) * sent_bytes("collective-permute", kv / cp + ids, 2)
+            out["collective-permute"] += (1 + regathered) * forward + (cp - 1) * kv / cp
+            continue
         out["all-gather"] += (1 + regathered) * sent_bytes("all-gather", kv, cp)
         out["reduce-scatter"] += sent_bytes("reduce-scatter", kv / cp, cp)
     table = model.tok_embeddings.weight

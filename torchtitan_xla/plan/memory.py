@@ -210,11 +210,10 @@ def moe_excess(args, seq: int, tp: int, act_bytes: int, grouped_mm: bool) -> flo
 
 
 def kv_features(args) -> int:
-    """Features per token of the keys and values attention's einsums read, together: heads x
-    (qk_head_dim + v_dim), after grouped-query attention's repeat (measured on the CPU: with 4 kv
-    heads of 16 the step holds the repeated, whole-sequence keys and values, as many bytes as with
-    16; the gathered kv heads are freed after the repeat)."""
-    return args.n_heads * (args.qk_head_dim + args.v_dim)
+    """Features per token of the keys and values attention's einsums read, together: kv heads x
+    (qk_head_dim + v_dim) (grouped-query attention's einsums read the kv heads, never a repeated
+    copy)."""
+    return args.kv_heads * (args.qk_head_dim + args.v_dim)
 
 
 def cp_excess(s: Shape) -> float:

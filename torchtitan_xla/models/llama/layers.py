@@ -126,16 +126,19 @@ class ScaledDotProductAttention(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         # SDPA's decomposition (and `@`) folds batch and heads into one dimension, which cannot be
         # split over two mesh axes: with a sharded batch, tensor parallelism would then gather
-        # every head onto every device. einsum keeps them apart.
-        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+        # every head onto every device. einsum keeps them apart. Grouped-query attention as groups
+        # of query heads [kv heads, heads per kv head] against their kv head, never a repeated
+        # copy (with context parallelism the keys' gradient is then summed at the kv heads' width).
+        b, h, s, d = q.shape
+        q = q.view(b, k.shape[1], h // k.shape[1], s, d)
+        scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5
         if positions is None:
-            seq = torch.arange(q.shape[-2], device=q.device)
+            seq = torch.arange(s, device=q.device)
             mask = attention_mask(seq, seq, None)
         else:
-            mask = position_mask(document_ids, positions)
+            mask = position_mask(document_ids, positions)[:, None]  # [batch, 1, 1, q, k]
         probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
-        return torch.einsum("bhqk,bhkd->bhqd", probs, v)
+        return torch.einsum("bgrqk,bgkd->bgrqd", probs, v).reshape(b, h, s, v.shape[-1])
 
 
 class FeedForward(nn.Module):

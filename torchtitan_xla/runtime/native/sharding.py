@@ -131,8 +131,9 @@ def distribute_module(model: nn.Module, mesh) -> None:
             module.__class__ = _gathering_class(module.__class__, tuple(compute))
 
 
-def constraint(mesh, spec: Sequence) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An activation laid out by `spec` (its gradient follows: redistribute's backward)."""
+def constraint(mesh, spec: Sequence, *, gradient: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An activation laid out by `spec` (its gradient follows: redistribute's backward, whatever
+    `gradient` says: a DTensor's layout is its own)."""
     target = placements(mesh, spec)
     return lambda t: t.redistribute(mesh, target) if isinstance(t, DTensor) else t
 

@@ -87,11 +87,19 @@ def sharding_text(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def constraint(mesh, spec: Spec) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A sharding constraint on an activation, and on its gradient in the backward pass."""
+def constraint(mesh, spec: Spec, *, gradient: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A sharding constraint on an activation, and on its gradient in the backward pass unless
+    `gradient` is false (the gradient is then left to the partitioner)."""
     import torch_xla.distributed.spmd as xs
 
-    return lambda t: xs.mark_sharding_with_gradients(t, mesh, spec)
+    def constrain(t: torch.Tensor) -> torch.Tensor:
+        # A traced stand-in (scan traces the block through a tensor subclass) takes only the op.
+        if gradient or type(t) is not torch.Tensor:
+            return xs.mark_sharding_with_gradients(t, mesh, spec)
+        xs.mark_sharding(t, mesh, spec)
+        return t
+
+    return constrain
 
 
 def input_sharding(mesh, spec: Spec, *, hosts: int = 1):
