@@ -59,7 +59,7 @@ def attention_work(positions: torch.Tensor, document_ids: torch.Tensor, cp: int)
     return seen.sum((1, 2)).tolist()
 
 
-def project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
+def project_on_sequence_shards(block: nn.Module, mesh, seq: str, tp_spec: Callable) -> None:
     """Every projection of the block computed on this device's part of the sequence, as an einsum:
     nn.Linear flattens [batch, seq] into one dimension, which cannot be split over both the batch
     and the `cp` axes, so XLA gathered the sequence at every projection, forward and backward.
@@ -68,8 +68,7 @@ def project_on_sequence_shards(block: nn.Module, mesh, seq: str) -> None:
     projections, their gradients reduce-scattered before the projections' backward, and no weight
     gradient is computed from gathered activations (under TP, XLA gathered the attention output
     and the SwiGLU hidden for wo's and w2's)."""
-    from torchtitan_xla.parallelisms.parallelize_llama import tp_spec  # (it imports this module)
-
+    # `tp_spec`: parallelize_llama's (name, ndim) -> tensor-parallel spec of a weight.
     for name, layer in block.named_modules():
         if type(layer) is not nn.Linear:
             continue

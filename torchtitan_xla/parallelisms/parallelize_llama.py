@@ -202,7 +202,7 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ri
             lambda m, args: (queries(args[0]), keys(args[1]), keys(args[2]), *args[3:]))
         if seq:
             block.attention.sdpa.register_forward_hook(lambda m, args, out: queries(out))
-            project_on_sequence_shards(block, mesh, seq)
+            project_on_sequence_shards(block, mesh, seq, tp_spec)
     model.norm.register_forward_hook(lambda m, args, out: seq_whole(out))
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
     if seq:  # nn.Linear or the tied embedding's TiedOutput: both flatten the tokens
