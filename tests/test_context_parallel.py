@@ -263,7 +263,7 @@ def test_ring_attention_passes_keys_and_values_by_collective_permutes(mesh, cp, 
     assert len(float_chunks) == 2 * 4 * (cp - 1), permutes  # 2 blocks x (k, v; forward, backward)
     assert len(ids) == 2 * 2 * (cp - 1), permutes  # positions and document ids, forward
     assert not [shape for kind, _, _, shape in ops if kind == "all-gather" and SEQ in _dims(shape)]
-    # Bytes: the plan's theory (with the embedding's two permutes of its rows when fsdp > 1).
+    # Bytes: the plan's theory.
     from torchtitan_xla.parallelisms import ParallelDims
     from torchtitan_xla.plan import comms
     from torchtitan_xla.plan.memory import build_meta_model

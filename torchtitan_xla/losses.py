@@ -158,8 +158,8 @@ def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torch.dtype | None,
                   plain: bool = False) -> LossFn:
     """The step's loss: (model, inputs [batch, seq], labels[, positions, document_ids]) -> per-token
-    losses [dp ranks, rows per rank, seq] (chunked: [dp ranks, tokens per rank]) in float32, 0
-    where the label is IGNORE_INDEX. The batch's rows are split into `dp_degree` contiguous blocks,
+    losses [dp ranks, tokens per rank] (with context parallelism [dp ranks, rows per rank, seq]) in
+    float32, 0 where the label is IGNORE_INDEX. The batch's rows are split into `dp_degree` contiguous blocks,
     one per data-parallel rank (the batch sharding), so chunks never cross a rank's rows.
     `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
     cfg = job_config.loss
@@ -172,8 +172,8 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
         with torch.autocast(**autocast):
             logits = model(inputs, *packing)
         losses = token_losses(logits, labels, label_smoothing=smoothing, z_loss=z, split_sequence=split)
-        # [dp ranks, rows, seq]: rows and sequence never merged (a split sequence would be gathered).
-        return losses.view(dp_degree, -1, losses.shape[-1])
+        # A split sequence stays [dp ranks, rows, seq] (merging rows and sequence would gather it).
+        return losses.view(dp_degree, -1, losses.shape[-1]) if split else losses.view(dp_degree, -1)
 
     def chunked(model, inputs, labels, *packing):
         with torch.autocast(**autocast):

@@ -161,7 +161,9 @@ def context_parallel(model, parallel_dims, *, tokens: int, policy: str, param_by
     rows = table.numel() / t / cp  # elements of the vocab / cp rows (of this device's tp part)
     grad_bytes = GRAD_BYTES if table.requires_grad else 0  # a LoRA base table is frozen
     out["all-gather"] += sent_bytes("all-gather", rows * param_bytes, rest)
-    if rest > 1:
+    if rest > 1 and parallel_dims.cp_rotate != "ring":
+        # (Not in ring attention's steps: XLA lays the table out otherwise there; the embedding's
+        # other collectives under ring attention are not audited.)
         out["collective-permute"] += 2 * sent_bytes("collective-permute", rows / rest * param_bytes, 2)
     out["reduce-scatter"] += sent_bytes("reduce-scatter", rows / rest * grad_bytes, rest)
     lookups = tokens * table.shape[1] / t * param_bytes
