@@ -138,11 +138,19 @@ def test_the_step_gathers_keys_and_values_over_cp_and_nothing_else_of_the_sequen
     assert [w for w in whole if w not in gathers + scattered] == embedding, whole
 
 
+def attention_work(positions: torch.Tensor, document_ids: torch.Tensor, cp: int) -> list[int]:
+    """(query, key) pairs each of the `cp` devices attends over for one sequence laid out as given
+    (positions, document_ids [seq]): the work of a kernel that skips masked pairs (splash), as
+    counted from the mask each device holds: its own queries against every key."""
+    queries, docs = positions.view(cp, -1), document_ids.view(cp, -1)
+    seen = ((positions[None, None, :] <= queries[:, :, None])
+            & (document_ids[None, None, :] == docs[:, :, None]))
+    return seen.sum((1, 2)).tolist()
+
+
 def _work(batch: tuple, cp: int) -> list[list[int]]:
     """Per sequence of a host batch (inputs, labels[, positions, document_ids]), the (query, key)
     pairs each of the cp devices attends over in that layout (`attention_work`)."""
-    from torchtitan_xla.parallelisms.context_parallel import attention_work
-
     inputs = batch[0]
     positions, documents = batch[2:] if len(batch) > 2 else (
         torch.arange(inputs.shape[1]).expand_as(inputs), torch.ones_like(inputs))
@@ -234,6 +242,11 @@ def test_context_parallel_is_refused_where_it_cannot_run_yet():
                 f"attention = {kernel!r} cannot take context parallelism ([parallelism] "
                 f"context_parallel_degree = 2)")):
             parse_args(tiny_args(Path("unused"), "--model.attention", kernel, P + "context_parallel_degree", "2"))
+    with pytest.raises(ConfigError, match=re.escape(
+            "command line: --parallelism.context_parallel_degree = 2: context parallelism with a mixture "
+            "of experts (mixtral debugmodel) is not supported yet")):
+        parse_args(tiny_args(Path("unused"), "--model.name", "mixtral", "--model.attention", "sdpa",
+                             P + "context_parallel_degree", "2"))
     # Those that flatten [batch, seq] into tokens, which would gather the split sequence.
     for flags, shown in ((["--loss.chunk_size", "128"], "--loss.chunk_size = 128"),
                          (["--lora.rank", "8"], "--lora.rank = 8"),

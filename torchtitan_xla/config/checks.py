@@ -93,15 +93,20 @@ def _check_attention(cfg: JobConfig, sources) -> None:
                           f"kernels take values as wide as the queries and keys, and the latent attention of "
                           f"{cfg.model.name} {cfg.model.flavor} has {args.v_dim} against {args.qk_head_dim} "
                           f"features per head; use sdpa or blockwise")
-    _check_context_parallel(cfg, sources)
+    _check_context_parallel(cfg, args, sources)
 
 
-def _check_context_parallel(cfg: JobConfig, sources) -> None:
+def _check_context_parallel(cfg: JobConfig, args, sources) -> None:
     """What a sequence split over `cp` devices cannot run with yet."""
     cp = cfg.parallelism.context_parallel_degree
     if cp == 1:
         return
     cp_key = f"[parallelism] context_parallel_degree = {cp}"
+    if cfg.moe.num_experts or args.num_experts:
+        # The expert dispatch sorts a sequence's tokens into slots: not yet constrained to the split.
+        raise ConfigError(f"{sources.describe('parallelism', 'context_parallel_degree')} = {cp}: context "
+                          f"parallelism with a mixture of experts ({cfg.model.name} {cfg.model.flavor}) is "
+                          f"not supported yet")
     if cfg.model.attention != "sdpa":
         # blockwise skips keys by index and the Pallas kernels mask by index: neither follows the
         # positions of a split (and reordered) sequence.

@@ -48,17 +48,6 @@ def balance_batches(parallel_dims: ParallelDims, seq_len: int) -> Callable[[tupl
     return reorder
 
 
-def attention_work(positions: torch.Tensor, document_ids: torch.Tensor, cp: int) -> list[int]:
-    """(query, key) pairs each of the `cp` devices attends over for one sequence laid out as given
-    (positions, document_ids [seq]): the work of a kernel that skips masked pairs (splash), as
-    counted from the mask each device holds: its own queries against every key."""
-    queries = positions.view(cp, -1)
-    docs = document_ids.view(cp, -1)
-    seen = ((positions[None, None, :] <= queries[:, :, None])
-            & (document_ids[None, None, :] == docs[:, :, None]))
-    return seen.sum((1, 2)).tolist()
-
-
 def project_on_sequence_shards(block: nn.Module, mesh, seq: str, tp_spec: Callable) -> None:
     """Every projection of the block computed on this device's part of the sequence, as an einsum:
     nn.Linear flattens [batch, seq] into one dimension, which cannot be split over both the batch
