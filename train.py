@@ -130,7 +130,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                           f"{job_config.model.name} {job_config.model.flavor}")
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
-                              model_args.ffn_hidden_dim, model_args.num_experts)
+                              model_args.ffn_hidden_dim, model_args.num_experts, model_args.n_layers)
     with torch.device("meta"):
         model = get_model_class(job_config.model.name)(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} "

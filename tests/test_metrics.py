@@ -287,7 +287,7 @@ def test_max_loss_over_two_data_parallel_ranks(tmp_path, xla_device):
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
     history = json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("HISTORY "))[8:])
-    assert "mesh {'dp_replicate': 1, 'fsdp': 2, 'ep': 1, 'cp': 1, 'tp': 1}" in stderr
+    assert "mesh {'pp': 1, 'dp_replicate': 1, 'fsdp': 2, 'ep': 1, 'cp': 1, 'tp': 1}" in stderr
     first = history[0]
     rank1 = 2 * first["loss"] - rank0
     # 2*loss - rank0 doubles float32 rounding of values near 8: 1e-5 relative covers it.

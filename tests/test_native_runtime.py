@@ -196,7 +196,7 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
     rep = int(flags.get("--parallelism.data_parallel_replicate_degree", 1))
     tp = int(flags.get("--parallelism.tensor_parallel_degree", 1))
     dims = ParallelDims(dp_replicate=rep, dp_shard=8 // (rep * tp), tp=tp)
-    sizes = dict(zip(("dp_replicate", "fsdp", "ep", "cp", "tp"), dims.mesh_shape))
+    sizes = dict(zip(("pp", "dp_replicate", "fsdp", "ep", "cp", "tp"), dims.mesh_shape))
     with torch.device("meta"):
         model = get_model_class("llama3")(get_model_args("llama3", "debugmodel", vocab_size=2256,
                                                           max_seq_len=64, **LAYERS))

@@ -229,15 +229,15 @@ def _dims(argv, devices):
 
 def test_degree_resolution():
     # (dp_replicate, fsdp, ep, cp, tp)
-    assert _dims([], 8).mesh_shape == (1, 8, 1, 1, 1)
-    assert _dims([P + "tensor_parallel_degree", "2"], 8).mesh_shape == (1, 4, 1, 1, 2)
-    assert _dims([P + "data_parallel_replicate_degree", "2", P + "num_slices", "2"], 8).mesh_shape == (2, 4, 1, 1, 1)
+    assert _dims([], 8).mesh_shape == (1, 1, 8, 1, 1, 1)
+    assert _dims([P + "tensor_parallel_degree", "2"], 8).mesh_shape == (1, 1, 4, 1, 1, 2)
+    assert _dims([P + "data_parallel_replicate_degree", "2", P + "num_slices", "2"], 8).mesh_shape == (1, 2, 4, 1, 1, 1)
     moe = ["--model.name", "mixtral"]
     ep = _dims([*moe, P + "expert_parallel_degree", "2", P + "tensor_parallel_degree", "2"], 8)
-    assert (ep.mesh_shape, ep.dp_degree, ep.shard_degree) == ((1, 2, 2, 1, 2), 4, 4)
+    assert (ep.mesh_shape, ep.dp_degree, ep.shard_degree) == ((1, 1, 2, 2, 1, 2), 4, 4)
     # Context parallel devices split sequences, not the batch; they shard the weights (FSDP).
     cp = _dims([P + "context_parallel_degree", "2", P + "tensor_parallel_degree", "2"], 8)
-    assert (cp.mesh_shape, cp.dp_degree, cp.shard_degree, cp.seq_axis) == ((1, 2, 1, 2, 2), 2, 4, "cp")
+    assert (cp.mesh_shape, cp.dp_degree, cp.shard_degree, cp.seq_axis) == ((1, 1, 2, 1, 2, 2), 2, 4, "cp")
 
 
 BAD = [
@@ -329,8 +329,8 @@ def test_tpu_mesh_uses_hybrid_mesh(monkeypatch):
                         lambda: [{"slice_index": i // 4} for i in range(8)])
     dims = _dims([P + "data_parallel_replicate_degree", "2", P + "num_slices", "2"], 8)
     assert dims.build_mesh("TPU") == "mesh"
-    assert calls == dict(ici_mesh_shape=(1, 4, 1, 1, 1), dcn_mesh_shape=(2, 1, 1, 1, 1),
-                         axis_names=("dp_replicate", "fsdp", "ep", "cp", "tp"))
+    assert calls == dict(ici_mesh_shape=(1, 1, 4, 1, 1, 1), dcn_mesh_shape=(1, 2, 1, 1, 1, 1),
+                         axis_names=("pp", "dp_replicate", "fsdp", "ep", "cp", "tp"))
     with pytest.raises(ConfigError, match=r"num_slices is 1, but the TPU runtime sees 2 slice"):
         _dims([], 8).build_mesh("TPU")
 

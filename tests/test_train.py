@@ -29,7 +29,7 @@ def test_default_job_learns_through_run_train_sh(tmp_path):
     losses = run.losses
     assert sorted(losses) == [1, 10, 20, 30, 40]
     assert losses[40] < losses[1] - 1.0, losses  # measured: 8.16 -> 6.44
-    assert "mesh {'dp_replicate': 1, 'fsdp': 1, 'ep': 1, 'cp': 1, 'tp': 1}" in run.stderr  # 1 device by default
+    assert "mesh {'pp': 1, 'dp_replicate': 1, 'fsdp': 1, 'ep': 1, 'cp': 1, 'tp': 1}" in run.stderr  # 1 device by default
     # One compile for init, one for the training step; none after.
     assert "Training completed: 2 compiles in total" in run.stderr
     saved = parse_args(["--job.config_file", str(dump / "config.toml")])
@@ -122,7 +122,7 @@ def test_run_train_sh_resolves_bare_config_names_and_device_count(tmp_path):
                     script="run_train.sh", env={"CONFIG_FILE": "debug_model.toml", "CPU_NUM_DEVICES": None, "PJRT_DEVICE": None})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 CPU devices" in run.stderr
-    assert "mesh {'dp_replicate': 1, 'fsdp': 2, 'ep': 1, 'cp': 1, 'tp': 1}" in run.stderr
+    assert "mesh {'pp': 1, 'dp_replicate': 1, 'fsdp': 2, 'ep': 1, 'cp': 1, 'tp': 1}" in run.stderr
     assert (dump / "config.toml").exists()
     assert str(REPO)  # the script found train.py from any working directory
 

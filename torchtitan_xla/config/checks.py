@@ -94,6 +94,42 @@ def _check_attention(cfg: JobConfig, sources) -> None:
                           f"{cfg.model.name} {cfg.model.flavor} has {args.v_dim} against {args.qk_head_dim} "
                           f"features per head; use sdpa or blockwise")
     _check_context_parallel(cfg, args, sources)
+    _check_pipeline_parallel(cfg, args, sources)
+
+
+def _check_pipeline_parallel(cfg: JobConfig, args, sources) -> None:
+    """What pipeline stages cannot run with yet, and the schedule's own arithmetic."""
+    p = cfg.parallelism
+    stages = p.pipeline_parallel_degree
+    if stages == 1:
+        return
+    where = sources.describe("parallelism", "pipeline_parallel_degree")
+    micro = p.pipeline_microbatches or stages
+    if p.pipeline_schedule == "circular" and micro % stages:
+        raise ConfigError(f"{sources.describe('parallelism', 'pipeline_microbatches')} = {micro} must be "
+                          f"a multiple of pipeline_parallel_degree ({stages}) in the circular schedule: "
+                          f"microbatches go round the stages in groups of {stages}")
+    # The stage runs the block under torch.vmap: the kernels that are autograd Functions (blockwise,
+    # Pallas), a checkpoint inside the block and the MoE's per-block statistics have no batching rule.
+    clash = [(section, key, why) for section, key, on, why in (
+        ("model", "attention", cfg.model.attention != "sdpa", "use sdpa"),
+        ("moe", "num_experts", cfg.moe.num_experts or args.num_experts, "a mixture of experts is not "
+         "supported in a pipeline stage yet"),
+        ("compile", "scan_layers", cfg.compile.scan_layers, "the pipeline is its own loop over the layers"),
+        ("activation_checkpoint", "mode", cfg.activation_checkpoint.mode == "selective",
+         "use full (each layer keeps its input) or none"),
+        ("parallelism", "context_parallel_degree", p.context_parallel_degree > 1, "not combined yet"),
+        ("lora", "rank", cfg.lora.rank, "not supported in a pipeline stage yet"),
+        ("float8", "enable_float8_linear", cfg.float8.enable_float8_linear,
+         "not supported in a pipeline stage yet"),
+        ("optimizer", "name", cfg.optimizer.name in ("Muon", "Adafactor"), "its update reads each "
+         "weight matrix whole, and a stage's are stacked; use AdamW, Adam or Lion"),
+        ("eval", "at_end", cfg.eval.at_end, "evaluate the saved checkpoint with python -m "
+         "torchtitan_xla.eval")) if on]
+    if clash:
+        section, key, why = clash[0]
+        raise ConfigError(f"{sources.describe(section, key)} = {getattr(getattr(cfg, section), key)!r} "
+                          f"cannot run with pipeline parallelism ({where} = {stages}): {why}")
 
 
 def _check_context_parallel(cfg: JobConfig, args, sources) -> None:
@@ -133,6 +169,8 @@ _NOT_ON_NATIVE = (
     ("model", "attention", lambda v: v in ("flash", "splash"), "the Pallas kernels are torch_xla's"),
     ("parallelism", "context_parallel_degree", lambda v: v > 1, "its key and value gathers are "
      "sharding annotations for XLA SPMD"),
+    ("parallelism", "pipeline_parallel_degree", lambda v: v > 1, "its stages are one SPMD program "
+     "(vmapped over a pp-split dimension)"),
     ("moe", "grouped_mm", lambda v: v, "its kernel is torch_xla's Pallas megablox (elsewhere a reference "
      "E times slower)"),
 )

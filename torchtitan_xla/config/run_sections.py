@@ -39,9 +39,26 @@ class Parallelism:
         "parallelism: allgather (each block's keys and values gathered over the cp devices) or ring "
         "(they are passed around the cp devices in cp steps by collective permutes, with an online "
         "softmax: no device holds the whole sequence's).")
+    pipeline_parallel_degree: int = opt(
+        1, "Pipeline stages: the blocks are split into this many stages of consecutive layers "
+        "(circular: every S-th layer group), each held by its own devices; only activations pass "
+        "between stages (collective permutes). Needs [model] attention = \"sdpa\"; XLA runtime only.",
+        gt=0)
+    pipeline_microbatches: int = opt(
+        0, "Microbatches each data-parallel batch is cut into for the pipeline (0: one per stage). "
+        "Must divide local_batch_size; the idle fraction of a stage (the bubble) is "
+        "(S - 1) / (microbatches x repeats + S - 1) for S stages.", ge=0)
+    pipeline_schedule: Literal["gpipe", "circular"] = opt(
+        "gpipe", "gpipe: stage s holds layers s x n_layers / S onward, each microbatch passes the "
+        "stages once. circular: stage s holds every S-th group of layers, each microbatch goes round "
+        "the stages pipeline_repeats times (a smaller bubble); microbatches must be a multiple of S.")
+    pipeline_repeats: int = opt(
+        2, "Rounds of the stages per microbatch in the circular schedule (layer groups per stage); "
+        "S x repeats must divide n_layers.", gt=0)
     num_slices: int = opt(
-        1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas: "
-        "data_parallel_replicate_degree must be a multiple of it.", gt=0)
+        1, "TPU slices joined over DCN (multi-slice). Slices hold model replicas (the outer part of "
+        "data_parallel_replicate_degree, which must be a multiple of it) or, with pipeline "
+        "parallelism, pipeline stages (pipeline_parallel_degree must be a multiple of it).", gt=0)
 
 
 @dataclass

@@ -54,6 +54,10 @@ def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.opti
         optimizer = Adafactor(params, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay,
                               d=cfg.adafactor_clip_threshold, weight_decay=cfg.weight_decay)
     init_optimizer_state(optimizer)
+    # A pipelined model saves its optimizer state under the per-layer layout too
+    # (parallelisms/pipeline_parallel.py).
+    for attach in getattr(model, "optimizer_hooks", ()):
+        attach(optimizer)
     return optimizer
 
 

@@ -23,6 +23,7 @@ from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.context_parallel import einsum_linear, project_on_sequence_shards
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
+from torchtitan_xla.parallelisms.pipeline_parallel import apply_pipeline
 from torchtitan_xla.parallelisms.ring_attention import apply_ring_attention
 from torchtitan_xla.runtime import Spec
 
@@ -161,7 +162,8 @@ def apply_ep(model: nn.Module, mesh) -> None:
         moe.expert_outputs.register_forward_hook(lambda m, args, out: by_batch(by_expert(out)))
 
 
-def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ring: bool = False) -> None:
+def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ring: bool = False,
+                              pp: bool = False) -> None:
     """Constrain activations at module boundaries, on every mesh: the batch over the data-parallel
     axes; the residual stream between blocks split along the sequence over `tp` (norms and residual
     adds then run on sequence shards, and XLA turns the row-parallel reductions into
@@ -174,7 +176,10 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ri
     Context parallelism (`seq` = "cp"): every activation is split along the sequence over `cp` as
     well (outside `tp`'s split), except the keys and values attention reads, whole on every device:
     XLA all-gathers them over `cp` in the forward pass and reduce-scatters their gradients. With
-    `ring` attention they stay split too: the attention module passes them around (ring_attention.py)."""
+    `ring` attention they stay split too: the attention module passes them around (ring_attention.py).
+
+    Pipeline parallelism (`pp`): outside the stages each stage's devices take 1/pp of every rank's
+    sequences (replicated, XLA split the output layer's weights over the idle pp devices)."""
     # [batch, seq, dim]
     seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))
     # The norms feed column-parallel layers, which need whole sequences (of this device's part):
@@ -188,7 +193,8 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ri
     # shards. (A constraint on the gradient here made XLA all-reduce them whole, and under
     # grouped-query attention at the repeated heads' width.)
     keys = queries if ring else runtime.constraint(mesh, (BATCH_AXES, "tp", None, None), gradient=not seq)
-    vocab_sharded = runtime.constraint(mesh, (BATCH_AXES, seq, "tp"))  # [batch, seq, vocab]
+    outer = (*BATCH_AXES, "pp") if pp else BATCH_AXES  # the batch outside the blocks
+    vocab_sharded = runtime.constraint(mesh, (outer, seq, "tp"))  # [batch, seq, vocab]
     for block in model.layers.values():
         block.register_forward_pre_hook(lambda m, args: (seq_sharded(args[0]), *args[1:]))
         block.register_forward_hook(lambda m, args, out: seq_sharded(out))
@@ -203,7 +209,10 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ri
         if seq:
             block.attention.sdpa.register_forward_hook(lambda m, args, out: queries(out))
             project_on_sequence_shards(block, mesh, seq, tp_spec)
-    model.norm.register_forward_hook(lambda m, args, out: seq_whole(out))
+    embedded, outer_whole = (runtime.constraint(mesh, (outer, s, None)) for s in ("tp", seq))
+    if pp:
+        model.tok_embeddings.register_forward_hook(lambda m, args, out: embedded(out))
+    model.norm.register_forward_hook(lambda m, args, out: outer_whole(out))
     model.output.register_forward_hook(lambda m, args, out: vocab_sharded(out))
     if seq:  # nn.Linear or the tied embedding's TiedOutput: both flatten the tokens
         model.output.forward = functools.partial(einsum_linear, model.output)
@@ -373,14 +382,17 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
     if ring:
         apply_ring_attention(model, mesh, parallel_dims.cp)
     if parallel_dims.world_size > 1:
-        apply_activation_sharding(model, mesh, parallel_dims.seq_axis, ring)
+        apply_activation_sharding(model, mesh, parallel_dims.seq_axis, ring, parallel_dims.pp > 1)
     apply_local_attention(model, mesh)
-    ac = job_config.activation_checkpoint
-    if not job_config.compile.scan_layers:  # under scan, the scan's partitioner does it
+    ac, pipelined = job_config.activation_checkpoint, parallel_dims.pp > 1
+    if not job_config.compile.scan_layers and not pipelined:  # scan's partitioner / the pipeline do it
         apply_ac(model, ac)
     apply_fsdp(model, mesh, parallel_dims)
     if job_config.compile.scan_layers:
         apply_scan(model, ac)
+    if pipelined:  # in checkpoints each layer is split over pp as well, as FSDP would
+        apply_pipeline(model, mesh, parallel_dims, full_ac=ac.mode == "full",
+                       saved_spec=lambda shape, spec, stages: fsdp_spec(shape, spec, stages, "pp"))
     # Parameters take their specs (native: they become DTensors; XLA: annotated already).
     runtime.distribute_module(model, mesh)
     if job_config.compile.step == "compile":

@@ -58,7 +58,7 @@ class RingAttention(nn.Module):
         total = torch.zeros_like(top)
         for step in range(self.cp):
             if step:  # the next device's keys, values and their ids (a collective permute)
-                k, v, k_pos, k_doc = (_shift(t, 2 if t.dim() == 5 else 1) for t in (k, v, k_pos, k_doc))
+                k, v, k_pos, k_doc = (shift(t, 2 if t.dim() == 5 else 1) for t in (k, v, k_pos, k_doc))
                 k, v = self.chunked(k), self.chunked(v)
             scores = upcast(torch.einsum("bhcqd,bhckd->bhcqk", q, repeat_kv5(k, h)))
             seen = ((k_pos[:, None, :, None, :] <= q_pos[:, None, :, :, None])
@@ -97,7 +97,9 @@ class _Shift(torch.autograd.Function):
         return _roll(grad, ctx.dim, -1), None
 
 
-def _shift(t: torch.Tensor, dim: int) -> torch.Tensor:
+def shift(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Chunk c of `t` moved to c + 1 along `dim` (the last to 0): one collective permute when `dim`
+    is split over a mesh axis (ring attention's chunks, pipeline stages)."""
     return _Shift.apply(t, dim) if t.requires_grad else _roll(t, dim, 1)
 
 

@@ -65,6 +65,11 @@ class Plan:
         return self.fits and self.memory.total > (1 - TIGHT) * self.hbm
 
 
+def pipeline_bubble(dims) -> float:
+    """The fraction of a pipelined step each stage idles: (S - 1) / (M R + S - 1); 0 without."""
+    return (dims.pp - 1) / (dims.pp_microbatches * dims.pp_repeats + dims.pp - 1)
+
+
 def recompute_factor(policy: str) -> float:
     """FLOPs run per model FLOP: a fully recomputed block runs its forward (a third) twice."""
     if policy == "full":
@@ -85,11 +90,15 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
 
     with attributed(job_config):  # errors name the file or flag that set the key
         target = parse_slice(tpu)
-        if job_config.parallelism.num_slices > 1:
-            raise ConfigError(f"[parallelism] num_slices = {job_config.parallelism.num_slices}: the "
-                              f"plan covers one slice (ICI); plan one slice's share of the job")
+        p = job_config.parallelism
+        stages = p.pipeline_parallel_degree
+        if p.num_slices > 1 and (stages == 1 or stages % p.num_slices):
+            raise ConfigError(f"[parallelism] num_slices = {p.num_slices}: the plan covers one slice "
+                              f"(ICI), or pipeline stages across slices; plan one slice's share of the job")
         try:
-            dims = ParallelDims.from_config(job_config.parallelism, target.chips)
+            # Stages across slices: every slice holds pp / num_slices of them, each device the
+            # same share of the work; the permutes between the slices run over DCN.
+            dims = ParallelDims.from_config(p, target.chips * p.num_slices)
             mem = memory.estimate(job_config, dims)
         except ConfigError as e:
             raise ConfigError(f"{e} (on {tpu}: {target.chips} chips, one device each)") from None
@@ -105,9 +114,11 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
                         act_bytes=act_bytes)
     active = model.num_params(exclude_embedding=True) - inactive_expert_params(model)
     flops = num_flops_per_token(args, active, training.seq_len, frozen=frozen_matmul_params(model))
-    tokens_per_device = global_batch * training.seq_len / target.chips
+    tokens_per_device = global_batch * training.seq_len / dims.world_size
     model_seconds = flops * tokens_per_device / target.chip.peak_bf16_flops
-    roofline = Roofline(model_seconds, model_seconds * recompute_factor(policy),
+    # Pipeline stages run every one of the schedule's iterations, the bubble's on nothing.
+    bubble = 1 / (1 - pipeline_bubble(dims))
+    roofline = Roofline(model_seconds, model_seconds * recompute_factor(policy) * bubble,
                         sum(sent.values()) / target.chip.ici_bytes_per_s)
     plan = Plan(target, dict(zip(MESH_AXES, dims.mesh_shape)), mem, sent, roofline)
     if with_knobs and not plan.fits and argv is not None:

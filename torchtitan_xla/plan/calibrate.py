@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 _CP, _TP = "--parallelism.context_parallel_degree", "--parallelism.tensor_parallel_degree"
+_PP = "--parallelism.pipeline_parallel_degree"
 MESH_FLAGS = {  # mesh name -> the [parallelism] flags that build it (data_parallel_shard_degree -1)
     "1": [], "fsdp8": [], "fsdp4tp2": [_TP, "2"],
     "hsdp2x4": ["--parallelism.data_parallel_replicate_degree", "2"],
@@ -29,6 +30,11 @@ MESH_FLAGS = {  # mesh name -> the [parallelism] flags that build it (data_paral
     # cp alone on 2 and 4.
     "cp2fsdp4": [_CP, "2"], "cp4fsdp2": [_CP, "4"], "cp8": [_CP, "8"], "cp2fsdp2tp2": [_CP, "2", _TP, "2"],
     "cp2": [_CP, "2"], "cp4": [_CP, "4"],
+    # Pipeline stages (sdpa; the batch a multiple of the microbatches): GPipe with 2 microbatches,
+    # circular with 4 microbatches of 2 rounds.
+    "pp2fsdp4": [_PP, "2"],
+    "pp2fsdp4circular": [_PP, "2", "--parallelism.pipeline_microbatches", "4",
+                         "--parallelism.pipeline_schedule", "circular"],
 }
 
 

@@ -87,6 +87,10 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         whole = math.prod(shard_shape(tuple(p.shape), kept, sizes))  # elements per tp / ep shard
         n = fsdp_axes(kept, parallel_dims)[1]
         block = _block(name)
+        # A pipeline stage gathers its layers' shards at every iteration that runs them (1 / pp of
+        # the blocks, M R + S - 1 times per step against once): pipelining multiplies FSDP's bytes.
+        a = microbatches * (pipeline_iterations(parallel_dims) / (parallel_dims.pp * parallel_dims.pp_repeats)
+                            if block is not None and parallel_dims.pp > 1 else 1)
         if "fsdp" in axes and cp > 1 and "tok_embeddings" in name:
             pass  # context_parallel's
         elif "fsdp" in axes:
@@ -102,8 +106,15 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
             out["all-reduce"] += a * sent_bytes("all-reduce", whole * grad_bytes, t)
         local = whole / n if "fsdp" in axes else whole
         out["all-reduce"] += a * sent_bytes("all-reduce", local * grad_bytes, r)
+        if block is None:  # outside the stages each pp group is a data-parallel replica
+            out["all-reduce"] += microbatches * sent_bytes("all-reduce", local * grad_bytes, parallel_dims.pp)
+    a = microbatches
     blocks = len(model.layers)
     recompute = 2 * sum(recomputed(policy, i) for i in range(blocks))
+    if parallel_dims.pp > 1:  # layer runs per device: K layers at each iteration, on tokens / M
+        runs = pipeline_iterations(parallel_dims) / (parallel_dims.pp * parallel_dims.pp_repeats
+                                                     * parallel_dims.pp_microbatches)
+        blocks, recompute = blocks * runs, recompute * runs
     dim = model.tok_embeddings.weight.shape[1]
     sequence = tokens / cp * dim * act_bytes  # [tokens, dim] of this device's part of the sequences
     out["all-gather"] += a * (4 * blocks + 1 + recompute) * sent_bytes("all-gather", sequence, t)
@@ -113,11 +124,33 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         slots = tokens // seq_len * moe.capacity(seq_len) * moe.num_experts  # expert-side rows
         moves = 4 + 2 * (policy == "full")
         out["all-to-all"] += a * moves * sent_bytes("all-to-all", slots * dim * act_bytes, e)
+    if parallel_dims.pp > 1:
+        for kind, sent in pipeline(model, parallel_dims, tokens=tokens, act_bytes=act_bytes).items():
+            out[kind] += a * sent
     if cp > 1:
         for kind, sent in context_parallel(model, parallel_dims, tokens=tokens, policy=policy,
                                            param_bytes=param_bytes, act_bytes=act_bytes).items():
             out[kind] += a * sent
     return {k: out.get(k, 0.0) for k in KINDS}
+
+
+def pipeline_iterations(parallel_dims) -> int:
+    return parallel_dims.pp_microbatches * parallel_dims.pp_repeats + parallel_dims.pp - 1
+
+
+def pipeline(model, parallel_dims, *, tokens: int, act_bytes: int = 4) -> dict[str, float]:
+    """Bytes per device per (accumulation) microbatch that pipeline stages add to `theory`, as the
+    compiled step does them (tests/test_pipeline_parallel.py): at every iteration but the first the
+    activations [tokens / M, dim / tp of the sequence] move one stage on by a collective permute,
+    forward and (their gradients) backward; each microbatch's output is all-reduced over pp from
+    the last stage and its input gradient at the first stage; the embedding's output is gathered
+    over pp entering the pipeline (outside it each pp group holds 1/pp of the sequences)."""
+    pp, t = parallel_dims.pp, parallel_dims.tp
+    dim = model.tok_embeddings.weight.shape[1]
+    activation = tokens / parallel_dims.pp_microbatches * dim / t * act_bytes
+    return {"collective-permute": 2 * (pipeline_iterations(parallel_dims) - 1) * activation,
+            "all-reduce": 2 * parallel_dims.pp_microbatches * sent_bytes("all-reduce", activation, pp),
+            "all-gather": sent_bytes("all-gather", tokens * dim / t * act_bytes, pp)}
 
 
 def context_parallel(model, parallel_dims, *, tokens: int, policy: str, param_bytes: int = 4,

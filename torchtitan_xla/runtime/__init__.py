@@ -40,7 +40,7 @@ _EXPORTS = {
     "process": ("configure", "STEP_COMPILERS", "launch_env"),
     "sharding": ("build_mesh", "mark_sharding", "place", "distribute_module", "constraint",
                  "input_sharding", "data_shard", "copy_sharding", "sharding_text", "per_shard",
-                 "run_locally", "whole"),
+                 "run_locally", "whole", "batched_over"),
     "step": ("build_step", "CompileGuard"),
 }
 _MODULES = ("process", "device", "sharding", "step", "kernels", "checkpointing", "compiled")

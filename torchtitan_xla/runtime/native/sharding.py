@@ -16,6 +16,7 @@ the gather is a property on the module's class, `_parameters` still holds the DT
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,18 +40,19 @@ def placements(mesh, spec: Sequence) -> list:
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: str,
-               num_slices: int = 1):
+               num_slices: int = 1, slice_axis: int = 0):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     _register_op_rules()
     mesh = ", ".join(f"{a} {n}" for a, n in zip(axis_names, shape))
     if device_type.lower() == "tpu":
         # TorchTPU's rank layout for the slice's topology (axes ordered by growing traffic, as
-        # MESH_AXES are); several slices split the first axis (dp_replicate) over the data-centre
-        # network, as the XLA runtime's HybridMesh. Not verified on a TPU.
+        # MESH_AXES are); several slices split axis `slice_axis` (dp_replicate) over the
+        # data-centre network, as the XLA runtime's HybridMesh. Not verified on a TPU.
         from torch.tpu.distributed import topology_aware_mesh
 
-        dcn = (num_slices,) + (1,) * (len(shape) - 1) if num_slices > 1 else None
+        dcn = (tuple(num_slices if i == slice_axis else 1 for i in range(len(shape)))
+               if num_slices > 1 else None)
         try:
             ranks = topology_aware_mesh(tuple(shape), dcn_mesh_shape=dcn)
         except (ValueError, RuntimeError) as e:
@@ -136,6 +138,12 @@ def constraint(mesh, spec: Sequence, *, gradient: bool = True) -> Callable[[torc
     `gradient` says: a DTensor's layout is its own)."""
     target = placements(mesh, spec)
     return lambda t: t.redistribute(mesh, target) if isinstance(t, DTensor) else t
+
+
+def batched_over(axis: str):
+    """(XLA's: constraints on vmap-batched pipeline stages.) Pipeline parallelism runs on the XLA
+    runtime only (config/checks.py refuses it here): nothing to do."""
+    return contextlib.nullcontext()
 
 
 def input_sharding(mesh, spec: Sequence, *, hosts: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -131,3 +131,40 @@ def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
         count, total = out.get(kind, (0, 0))
         out[kind] = (count + 1, total + size)
     return out
+
+
+_GROUPS_EXPLICIT = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+
+
+def _device_groups(line: str) -> list[list[int]]:
+    """The device groups of one collective's line (a permute's (source, target) pairs)."""
+    import numpy as np
+
+    if m := _GROUPS_EXPLICIT.search(line):
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    if m := _GROUPS_IOTA_FULL.search(line):
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    return []
+
+
+def collective_ops_on_mesh(hlo_text: str, mesh_shape: tuple[int, ...],
+                           axis_names: tuple[str, ...]) -> list[tuple[str, int, str, frozenset]]:
+    """`collective_ops`, each with the mesh axes its device groups span: (kind, bytes per device,
+    result shape, axes). A device's mesh coordinates are its id unravelled over `mesh_shape` (the
+    CPU backend's mesh; devices in order)."""
+    import numpy as np
+
+    lines = [line for line in hlo_text.splitlines() if _COLLECTIVE.search(line)]
+    out = []
+    for (kind, size, _, shape), line in zip(collective_ops(hlo_text), lines):
+        axes = set()
+        for group in _device_groups(line):
+            coords = np.array(np.unravel_index(group, mesh_shape)).T
+            axes |= {axis_names[i] for i in np.flatnonzero((coords != coords[0]).any(0))}
+        out.append((kind, size, shape, frozenset(axes)))
+    return out

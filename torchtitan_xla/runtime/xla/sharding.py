@@ -4,6 +4,7 @@ XLA partitions the whole graph from these annotations and inserts the collective
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -13,15 +14,15 @@ from torchtitan_xla.runtime import Spec
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: str,
-               num_slices: int = 1):
+               num_slices: int = 1, slice_axis: int = 0):
     """The device mesh. On TPU, torch_xla's HybridMesh orders devices by the physical (ICI)
-    topology and puts the slices on the outer part of the first axis; elsewhere an ordinary mesh
-    of the same logical shape, slices being consecutive blocks of devices."""
+    topology and puts the slices on the outer part of axis `slice_axis`; elsewhere an ordinary
+    mesh of the same logical shape, slices being consecutive blocks of devices."""
     import torch_xla.distributed.spmd as xs
 
     if device_type == "TPU":
-        dcn = (num_slices,) + (1,) * (len(shape) - 1)
-        ici = (shape[0] // num_slices, *shape[1:])
+        dcn = tuple(num_slices if i == slice_axis else 1 for i in range(len(shape)))
+        ici = tuple(n // d for n, d in zip(shape, dcn))
         return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=tuple(axis_names))
     return xs.Mesh(np.arange(int(np.prod(shape))), tuple(shape), tuple(axis_names))
 
@@ -89,10 +90,13 @@ def sharding_text(t: torch.Tensor) -> str:
 
 def constraint(mesh, spec: Spec, *, gradient: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
     """A sharding constraint on an activation, and on its gradient in the backward pass unless
-    `gradient` is false (the gradient is then left to the partitioner)."""
+    `gradient` is false (the gradient is then left to the partitioner). Inside `batched_over`,
+    a tensor batched by torch.vmap has its vmapped dimension split over that axis."""
     import torch_xla.distributed.spmd as xs
 
     def constrain(t: torch.Tensor) -> torch.Tensor:
+        if _vmapped_axis and torch._C._functorch.is_batchedtensor(t):
+            return _BatchedConstraint.apply(t, mesh, spec, gradient)
         # A traced stand-in (scan traces the block through a tensor subclass) takes only the op.
         if gradient or type(t) is not torch.Tensor:
             return xs.mark_sharding_with_gradients(t, mesh, spec)
@@ -100,6 +104,48 @@ def constraint(mesh, spec: Spec, *, gradient: bool = True) -> Callable[[torch.Te
         return t
 
     return constrain
+
+
+_vmapped_axis: list[str] = []
+
+
+@contextlib.contextmanager
+def batched_over(axis: str):
+    """Constraints met inside this block on tensors batched by torch.vmap (pipeline stages: the
+    vmapped dimension is the stage) split that dimension over mesh axis `axis`."""
+    _vmapped_axis.append(axis)
+    try:
+        yield
+    finally:
+        _vmapped_axis.pop()
+
+
+class _BatchedConstraint(torch.autograd.Function):
+    """A constraint under torch.vmap: its `vmap` rule annotates the whole tensor, the vmapped
+    dimension first and split over the `batched_over` axis (torch_xla's annotation has no rule)."""
+
+    @staticmethod
+    def forward(t, mesh, spec, gradient):
+        import torch_xla.distributed.spmd as xs
+
+        return xs.mark_sharding_with_gradients(t, mesh, spec)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mesh, ctx.spec, ctx.gradient = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch_xla.distributed.spmd as xs
+
+        if ctx.gradient:
+            grad = xs.mark_sharding_with_gradients(grad, ctx.mesh, ctx.spec)
+        return grad, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, t, mesh, spec, gradient):
+        whole = t.movedim(in_dims[0], 0)
+        return _BatchedConstraint.apply(whole, mesh, (_vmapped_axis[-1], *spec), gradient), 0
 
 
 def input_sharding(mesh, spec: Spec, *, hosts: int = 1):
