@@ -458,9 +458,10 @@ def test_mixture_of_experts_on_ep4_fsdp2_gives_the_xla_runtimes_losses(eight_pro
     the XLA runtime's losses on one device."""
     run = eight_processes["moe"]
     close(run["losses"], xla_one_device["moe"]["losses"], rtol=1e-5)
-    # ep (axis 2 of dp_replicate, fsdp, ep, cp, tp) splits the expert dimension, fsdp the next one.
+    # ep (axis 3 of pp, dp_replicate, fsdp, ep, cp, tp) splits the expert dimension, fsdp the next one.
     w1 = run["layout"]["layers.0.feed_forward.w1"]
-    assert w1["placements"] == ["Replicate()", "Shard(dim=1)", "Shard(dim=0)", "Replicate()", "Replicate()"], w1
+    assert w1["placements"] == ["Replicate()", "Replicate()", "Shard(dim=1)", "Shard(dim=0)", "Replicate()",
+                                "Replicate()"], w1
     assert w1["local"] == [2, w1["shape"][1] // 2, w1["shape"][2]], w1
     assert any(float(d) > 0 for d in re.findall(r"dropped: ([\d.]+)%", run["log"])), run["log"][-2000:]
 

@@ -84,9 +84,9 @@ def report(plan, cfg) -> str:
                      f"activations kept for the backward, counted from the fit's blocks: 1.00-1.04 of the "
                      f"compiler's without checkpointing, docs/plan.md)")
         if ac.mode == "full":
-            lines.append("  (WARNING: with full checkpointing in a pipeline, the compiled step on the XLA CPU "
-                         "backend kept 0.8 of what no checkpointing keeps, 3-5x what this counts: the cause is "
-                         "not found, so this verdict may be optimistic; docs/plan.md)")
+            lines.append("  (WARNING: with full checkpointing in a pipeline, the compiled step on the XLA "
+                         "CPU backend kept 0.8 of what no checkpointing keeps, 3-5x what this counts: the "
+                         "cause is not found, so this verdict may be optimistic; docs/plan.md)")
     if not plan.fits:
         lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
                      "loss chunks, smaller batch, more FSDP, a slice twice the size)")
