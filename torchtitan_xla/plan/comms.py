@@ -89,8 +89,8 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         block = _block(name)
         # A pipeline stage gathers its layers' shards at every iteration that runs them (1 / pp of
         # the blocks, M R + S - 1 times per step against once): pipelining multiplies FSDP's bytes.
-        a = microbatches * (pipeline_iterations(parallel_dims) / (parallel_dims.pp * parallel_dims.pp_repeats)
-                            if block is not None and parallel_dims.pp > 1 else 1)
+        uses = a * (pipeline_iterations(parallel_dims) / (parallel_dims.pp * parallel_dims.pp_repeats)
+                    if block is not None and parallel_dims.pp > 1 else 1)
         if "fsdp" in axes and cp > 1 and "tok_embeddings" in name:
             pass  # context_parallel's
         elif "fsdp" in axes:
@@ -98,17 +98,16 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
             # forward and backward: XLA gathers it once.
             gathers = (1 if "tok_embeddings" in name or cp > 1 else 2) + (
                 block is not None and recomputed(policy, block))
-            out["all-gather"] += a * gathers * sent_bytes("all-gather", whole * param_bytes, n)
-            out["reduce-scatter"] += a * sent_bytes("reduce-scatter", whole * grad_bytes / n, n)
+            out["all-gather"] += uses * gathers * sent_bytes("all-gather", whole * param_bytes, n)
+            out["reduce-scatter"] += uses * sent_bytes("reduce-scatter", whole * grad_bytes / n, n)
         else:
-            out["all-reduce"] += a * sent_bytes("all-reduce", whole * grad_bytes, n)
+            out["all-reduce"] += uses * sent_bytes("all-reduce", whole * grad_bytes, n)
         if "tp" not in axes:
-            out["all-reduce"] += a * sent_bytes("all-reduce", whole * grad_bytes, t)
+            out["all-reduce"] += uses * sent_bytes("all-reduce", whole * grad_bytes, t)
         local = whole / n if "fsdp" in axes else whole
-        out["all-reduce"] += a * sent_bytes("all-reduce", local * grad_bytes, r)
+        out["all-reduce"] += uses * sent_bytes("all-reduce", local * grad_bytes, r)
         if block is None:  # outside the stages each pp group is a data-parallel replica
             out["all-reduce"] += microbatches * sent_bytes("all-reduce", local * grad_bytes, parallel_dims.pp)
-    a = microbatches
     blocks = len(model.layers)
     recompute = 2 * sum(recomputed(policy, i) for i in range(blocks))
     if parallel_dims.pp > 1:  # layer runs per device: K layers at each iteration, on tokens / M
