@@ -45,6 +45,43 @@ def test_cpu_xla_flags_add_ours_unless_named_and_wide_vectors_only_with_avx512()
             == "--xla_cpu_copy_insertion_use_region_analysis=false")
 
 
+def test_cpu_xla_flags_prefer_no_wide_vectors_where_the_users_isa_cap_is_below_avx512():
+    """An AVX2-only host emulated on an AVX-512 one (`--xla_cpu_max_isa=AVX2`): XLA's kernels must
+    vectorise as that host's do, 8 floats wide; with 512-bit vectors preferred LLVM would split
+    16-wide vectors in two and sum in the AVX-512 host's order."""
+    for isa in ("AVX2", "avx2", "AVX", "SSE4_2"):
+        assert cpu_xla_flags(f"--xla_cpu_max_isa={isa}", {"avx2", "avx512f"}) == f"--xla_cpu_max_isa={isa} {REGION}"
+    for isa in ("AVX512", "AVX512_BF16", "AMX"):  # caps at or above AVX-512 keep the wide vectors
+        assert cpu_xla_flags(f"--xla_cpu_max_isa={isa}", {"avx512f"}) == f"--xla_cpu_max_isa={isa} {REGION} {WIDE}"
+    assert cpu_xla_flags("--xla_cpu_max_isa=AVX512 --xla_cpu_max_isa=AVX2", {"avx512f"}).endswith(REGION)
+
+
+@pytest.mark.skipif("avx512f" not in process.cpu_features(), reason="needs an AVX-512 host")
+def test_an_avx2_cap_compiles_no_avx512_instruction_and_sums_in_8_lanes(tmp_path):
+    """What the cap does on this AVX-512 host, in XLA's own dump: no zmm register in the kernels
+    XLA compiled, and the LLVM IR's vectors 8 floats wide, as on an AVX2-only host."""
+    import shutil
+
+    if not shutil.which("objdump"):
+        pytest.skip("needs objdump")
+    code = ("import torch, torch_xla\n"
+            "x = torch.arange(4096 * 257, dtype=torch.float32).reshape(4096, 257).to(torch_xla.device())\n"
+            "print((x / 1e6).exp().sum(dim=1).cpu()[0].item())\n")
+    seen = {}
+    for name, cap in (("native", ""), ("avx2", "--xla_cpu_max_isa=AVX2")):
+        dump = tmp_path / name
+        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1",
+                   XLA_FLAGS=f"{cpu_xla_flags(cap, process.cpu_features())} --xla_dump_to={dump}")
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300)
+        asm = "".join(subprocess.run(["objdump", "-d", str(o)], capture_output=True, text=True).stdout
+                      for o in dump.glob("*.o"))
+        ir = "".join(line for f in dump.glob("*ir-with-opt.ll") for line in f.read_text().splitlines()
+                     if not line.startswith("declare"))  # the instructions, not the intrinsics named
+        seen[name] = ("zmm" in asm, "<16 x float>" in ir, "<8 x float>" in ir)
+    assert seen["native"][:2] == (True, True)
+    assert seen["avx2"] == (False, False, True)
+
+
 @pytest.mark.parametrize("device", ["CPU", "TPU"])
 def test_configure_sets_the_cpu_flags_on_the_cpu_backend_only(device):
     env = {"PJRT_DEVICE": device, "XLA_FLAGS": "--xla_dump_to=/d"}

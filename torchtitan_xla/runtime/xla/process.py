@@ -71,13 +71,25 @@ def cpu_xla_flags(xla_flags: str, cpu_features: set[str]) -> str:
     - Copy insertion with region analysis: fewer copies around the in-place updates of the donated
       parameter and optimizer buffers. No number changes.
     - 512-bit vectors for XLA's own kernels where the CPU has AVX-512 (LLVM prefers 256-bit);
-      reductions vectorise in another order, so floats can differ in the last bit.
+      reductions vectorise in another order, so floats can differ in the last bit. Not where the
+      user's `--xla_cpu_max_isa` caps XLA below AVX-512 (an AVX2-only host emulated): LLVM would
+      still vectorise 16 floats wide, in two 256-bit halves, and sum in the AVX-512 host's order.
     """
     ours = {"xla_cpu_copy_insertion_use_region_analysis": "true"}
-    if "avx512f" in cpu_features:
+    if "avx512f" in cpu_features and not _isa_capped_below_avx512(xla_flags):
         ours["xla_cpu_prefer_vector_width"] = "512"
     added = [f"--{name}={value}" for name, value in ours.items() if f"--{name}=" not in xla_flags]
     return " ".join([xla_flags, *added]).strip()
+
+
+# XLA's `--xla_cpu_max_isa` values below AVX-512 (XLA reads them in any case).
+ISAS_BELOW_AVX512 = ("SSE4_2", "AVX", "AVX2")
+
+
+def _isa_capped_below_avx512(xla_flags: str) -> bool:
+    """Whether `xla_flags` cap XLA's ISA below AVX-512 (the last `--xla_cpu_max_isa` counts)."""
+    caps = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith("--xla_cpu_max_isa=")]
+    return bool(caps) and caps[-1].strip("'\"").upper() in ISAS_BELOW_AVX512
 
 
 def cpu_features() -> set[str]:
