@@ -11,15 +11,15 @@ back; a run from the step folder takes its aux loss weight from [moe], as every 
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torchtitan_xla.checkpoint.commit import write_model_checkpoint  # noqa: E402
-from torchtitan_xla.checkpoint.hf import model_args_from_hf_config, read_hf_state_dict  # noqa: E402
+from torchtitan_xla.checkpoint.hf import read_hf_state_dict  # noqa: E402
 from torchtitan_xla.errors import ConfigError, first_line, run_main  # noqa: E402
+from torchtitan_xla.models.llama.hf_args import read_hf_config  # noqa: E402
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf  # noqa: E402
 
 
@@ -29,10 +29,7 @@ def main() -> int:
     ap.add_argument("out", help="the step folder to write (e.g. .../checkpoint/step-0)")
     args = ap.parse_args()
     try:
-        cfg = json.loads((Path(args.hf_dir) / "config.json").read_text())
-        model_args = model_args_from_hf_config(cfg)
-        if model_args.ffn_hidden_dim != cfg["intermediate_size"]:
-            raise ConfigError(f"config.json: cannot represent intermediate_size {cfg['intermediate_size']}")
+        _, model_args = read_hf_config(Path(args.hf_dir) / "config.json", "")
         state = from_hf(read_hf_state_dict(args.hf_dir), model_args)
         name = Path(args.out).name
         step = int(name.removeprefix("step-")) if name.startswith("step-") else 0

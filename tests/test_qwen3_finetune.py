@@ -90,7 +90,8 @@ def test_a_qwen3_export_as_a_llama_runs_start_is_one_line(qwen3_runs, tmp_path):
     assert r.returncode == 2 and r.losses == {}
     assert r.stderr.strip().splitlines()[-1] == (
         f"error: command line: --checkpoint.initial_load_path: {base / 'config.json'} is not the run's model "
-        f"llama3 debugmodel: num_hidden_layers 2 there, 8 here")
+        f"llama3 debugmodel: num_hidden_layers 2 there, 8 here; no flavor of ours has its architecture: "
+        f"set [model] flavor = \"hf\" to take it (with [model] name = qwen3)")
 
 
 @pytest.mark.parametrize("family,flavor,run", [("qwen3", "0.6B", ("llama3", "1B")),
@@ -118,7 +119,8 @@ def test_the_mismatch_names_the_flavor_the_folder_holds(family, flavor, run, tmp
     ({"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
       "intermediate_size": 128, "rms_norm_eps": 1e-5, "vocab_size": 300, "sliding_window": 4096},
      "sliding-window attention (sliding_window) is not supported"),
-    ({"model_type": "bert", "num_attention_heads": 4}, "no 'hidden_size': not a Llama, Mixtral, Qwen3 or DeepSeek config"),
+    ({"model_type": "bert", "num_attention_heads": 4},
+     "model_type 'bert' is not supported: not a Llama, Mixtral, Qwen3 or DeepSeek config"),
     ("{not json", "not JSON ("),
 ])
 def test_an_unusable_config_json_is_one_line_naming_the_file(config, message, tmp_path):

@@ -4,6 +4,8 @@ Imports neither torch nor torch_xla."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from torchtitan_xla.config.job_config import JobConfig
 from torchtitan_xla.errors import ConfigError
 
@@ -69,8 +71,28 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
             f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
             f"before the next starts")
-    from torchtitan_xla.models import all_flavors  # torch-free registry of names
+    args = _model_args(cfg, sources)
+    _check_moe(cfg, args, sources)
+    _check_attention(cfg, args, sources)
+    _check_runtime(cfg, sources)
 
+
+def _model_args(cfg: JobConfig, sources):
+    """The ModelArgs of [model] name and flavor: a flavor's, or with flavor "hf" those of the
+    config.json of the HF folder the run starts from (read now, so that every check below sees the
+    real architecture)."""
+    from torchtitan_xla.models import all_flavors, get_model_args  # torch-free registry of names
+    from torchtitan_xla.models.llama.hf_args import HF_FLAVOR, hf_folder_args
+
+    if cfg.model.flavor == HF_FLAVOR:
+        ckpt = cfg.checkpoint
+        if not (ckpt.initial_load_in_hf and ckpt.initial_load_path):
+            unset = "initial_load_path" if not ckpt.initial_load_path else "initial_load_in_hf"
+            raise ConfigError(f"{sources.describe('model', 'flavor')} = \"hf\" takes the architecture of "
+                              f"the HuggingFace folder the run starts from: it needs [checkpoint] "
+                              f"initial_load_path (that folder) and initial_load_in_hf = true ({unset} is "
+                              f"not set)")
+        return hf_folder_args(cfg.model.name, ckpt, sources.describe("checkpoint", "initial_load_path"))
     registry = all_flavors()
     known = registry[cfg.model.name]
     if cfg.model.flavor not in known:
@@ -78,16 +100,12 @@ def check_combinations(cfg: JobConfig, sources) -> None:
         hint = f" ({cfg.model.flavor} is a flavor of {' and '.join(elsewhere)})" if elsewhere else ""
         raise ConfigError(
             f"{sources.describe('model', 'flavor')} = {cfg.model.flavor!r}: unknown flavor for "
-            f"{cfg.model.name}; expected one of {', '.join(known)}{hint}")
-    _check_moe(cfg, sources)
-    _check_attention(cfg, sources)
-    _check_runtime(cfg, sources)
+            f"{cfg.model.name}; expected one of {', '.join(known)}{hint}, or \"hf\" (the architecture "
+            f"of the HuggingFace folder the run starts from)")
+    return get_model_args(cfg.model.name, cfg.model.flavor)
 
 
-def _check_attention(cfg: JobConfig, sources) -> None:
-    from torchtitan_xla.models import get_model_args
-
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
+def _check_attention(cfg: JobConfig, args, sources) -> None:
     if args.mla and cfg.model.attention in ("flash", "splash"):
         raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r}: the Pallas "
                           f"kernels take values as wide as the queries and keys, and the latent attention of "
@@ -210,12 +228,20 @@ def native_refusal(cfg: JobConfig) -> tuple[str, str, object, str] | None:
     return None
 
 
-def _check_moe(cfg: JobConfig, sources) -> None:
-    """[moe] against the model it changes, before anything is built."""
-    from torchtitan_xla.models import get_model_args, moe_overrides
+def _check_moe(cfg: JobConfig, args, sources) -> None:
+    """[moe] against the model (`args`) it changes, before anything is built."""
+    from torchtitan_xla.models import moe_overrides
+    from torchtitan_xla.models.llama.hf_args import HF_FLAVOR
 
     m, model = cfg.moe, f"{cfg.model.name} {cfg.model.flavor}"
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
+    if cfg.model.flavor == HF_FLAVOR:
+        # The folder's weights fix the experts and their routing: [moe] may restate them only.
+        changed = [k for k in ("num_experts", "top_k", "moe_every", "expert_groups", "topk_groups")
+                   if getattr(m, k) and getattr(m, k) != getattr(args, k)]
+        if changed:
+            raise ConfigError(f"{sources.describe('moe', changed[0])} = {getattr(m, changed[0])}: the "
+                              f"HuggingFace folder's model has {changed[0]} {getattr(args, changed[0])}, "
+                              f"and [model] flavor = \"hf\" takes its architecture")
     ep = cfg.parallelism.expert_parallel_degree
     if not (m.num_experts or args.num_experts):
         given = [k for k in ("top_k", "moe_every", "capacity_factor", "grouped_mm") if getattr(m, k)]
@@ -241,7 +267,7 @@ def _check_moe(cfg: JobConfig, sources) -> None:
         key = "top_k" if m.top_k else "num_experts"
         raise ConfigError(f"{sources.describe('moe', key)} = {getattr(m, key)}: top_k ({top_k}) cannot "
                           f"exceed num_experts ({experts}) of {model}")
-    routed = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(m))
+    routed = dataclasses.replace(args, **moe_overrides(m))
     _check_groups(routed, m, model, sources)
     every = routed.moe_every
     if every > 1 and cfg.checkpoint.last_save_in_hf and not args.qk_norm:

@@ -41,7 +41,9 @@ class Model:
         "qwen3: Llama blocks with per-head query/key norms, dense or with experts, docs/checkpoint.md; "
         "deepseek_v3: multi-head latent attention, shared and bias-balanced routed experts; deepseek_v2: "
         "the same with softmax routing; docs/moe.md).")
-    flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list).")
+    flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list); "
+                      "\"hf\": the architecture of the HuggingFace folder the run starts from "
+                      "(checkpoint.initial_load_path with initial_load_in_hf).")
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
         "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
         "in 4 query blocks that skip the masked keys, plain XLA ops: faster on the XLA CPU backend); "

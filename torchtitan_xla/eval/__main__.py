@@ -12,7 +12,6 @@ the config gives the tokenizer, seq_len, the mesh and [eval]. Results: a table o
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -68,12 +67,13 @@ def main(job_config: JobConfig) -> dict:
     import torch
 
     from torchtitan_xla.checkpoint.commit import read_lora_settings, read_model_state
-    from torchtitan_xla.checkpoint.hf import load_hf_into_model, load_into_model, model_args_from_hf_config
+    from torchtitan_xla.checkpoint.hf import load_hf_into_model, load_into_model
     from torchtitan_xla.datasets import build_tokenizer, check_vocab_size
     from torchtitan_xla.eval import evaluate, parse_task, write_results
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.lora import merge
     from torchtitan_xla.models import get_model_class
+    from torchtitan_xla.models.llama.hf_args import read_hf_config
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.storage import check_writable, join
 
@@ -85,7 +85,7 @@ def main(job_config: JobConfig) -> dict:
     out_file = join(job_config.job.dump_folder, job_config.eval.output_file)
     check_writable(job_config.job.dump_folder, "[job] dump_folder")
     if is_hf:
-        model_args = model_args_from_hf_config(json.loads((path / "config.json").read_text()))
+        model_args = read_hf_config(path / "config.json", "[eval] checkpoint")[1]
         state = None
     else:
         state, model_args = read_model_state(path)
@@ -107,9 +107,10 @@ def main(job_config: JobConfig) -> dict:
     parallelize_llama(model, mesh, parallel_dims, job_config)
     model.init_weights()
     if is_hf:
-        load_hf_into_model(model, model_args, path, mesh)
+        load_hf_into_model(model, model_args, path, mesh, where="[eval] checkpoint")
     else:
-        load_into_model(model, state, mesh, source=f"[eval] checkpoint {path}")
+        load_into_model(model, state, mesh, source=f"[eval] checkpoint: {path}",
+                        described_by="model_args.json")
     model.eval()
     logger.info(f"Evaluating {path} ({model.num_params():,} parameters) on {len(tasks)} task(s)")
     out = evaluate(model, tokenizer, job_config, tasks, dp_degree=parallel_dims.dp_degree, device=device,

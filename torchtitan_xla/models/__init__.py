@@ -11,6 +11,7 @@ from torchtitan_xla.models.llama.args import (
     mixtral_configs,
     qwen3_configs,
 )
+from torchtitan_xla.models.llama.hf_args import HF_FLAVOR, HFFlavorArgs
 
 models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
                  "qwen3": qwen3_configs, "deepseek_v2": deepseek_v2_configs,
@@ -22,7 +23,10 @@ def all_flavors() -> dict[str, list[str]]:
 
 
 def get_model_args(name: str, flavor: str, **overrides) -> ModelArgs:
-    """A fresh copy of a flavor's args (the registry itself is never mutated)."""
+    """A fresh copy of a flavor's args (the registry itself is never mutated); flavor "hf": a
+    stand-in that checkpoint/hf.py's match_initial_hf_weights replaces by the HF folder's args."""
+    if flavor == HF_FLAVOR:
+        return HFFlavorArgs(family=name, overrides=overrides)
     return dataclasses.replace(models_config[name][flavor], **overrides)
 
 

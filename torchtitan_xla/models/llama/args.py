@@ -35,14 +35,6 @@ class Yarn:
         return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
-def ffn_sizing(dim: int, ffn: int) -> dict:
-    """multiple_of and ffn_dim_multiplier with which ModelArgs.ffn_hidden_dim is exactly `ffn` (a
-    published intermediate_size): rounding up to multiple_of = ffn alone cannot go below Llama's 8/3
-    dim, a multiplier first brings it under."""
-    llama = int(2 * 4 * dim / 3)
-    return {"multiple_of": ffn, "ffn_dim_multiplier": ffn / llama if ffn < llama else None}
-
-
 @dataclass
 class ModelArgs:
     dim: int = 4096
@@ -52,6 +44,9 @@ class ModelArgs:
     vocab_size: int = -1  # set from the tokenizer
     multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
+    # The SwiGLU hidden size itself (a published intermediate_size), in place of Llama's 8/3 rule
+    # above, which cannot give every size (none below 8/3 dim without a multiplier's rounding).
+    ffn_dim: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -109,6 +104,8 @@ class ModelArgs:
             self.context_len = self.max_seq_len
         if not self.num_experts:
             self.aux_loss_weight = 0.0
+        if self.ffn_dim is not None and self.ffn_dim < 1:
+            raise ValueError(f"ModelArgs: ffn_dim must be >= 1 (or None: Llama's sizing), not {self.ffn_dim}")
         if self.num_experts < 0 or self.moe_every < 1 or self.capacity_factor < 0:
             raise ValueError("ModelArgs: num_experts and capacity_factor must be >= 0, moe_every >= 1")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
@@ -148,6 +145,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         # Llama's SwiGLU sizing: 2/3 of 4*dim, times an optional multiplier, rounded up.
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
@@ -198,37 +197,37 @@ llama3_configs = {
 # MixtralConfig defaults are 8x7B's but for max_position_embeddings and router_aux_loss_coef, which
 # are max_seq_len and aux_loss_weight here; 8x22B's from mistral-community/Mixtral-8x22B-v0.1). Their
 # vocabulary comes from the tokenizer, as for Llama: 32000 for 8x7B, 32000 / 32768 for 8x22B
-# v0.1 / Instruct-v0.1. multiple_of makes the dense FFN size (used only in dense blocks, with
-# moe_every > 1) the experts' size, Mistral 7B's 14336 for 8x7B, as reading their config.json gives.
+# v0.1 / Instruct-v0.1. The dense FFN size (ffn_dim; used only in dense blocks, with moe_every > 1)
+# is the experts' size, Mistral 7B's 14336 for 8x7B, as reading their config.json gives.
 # The debug model has Llama's debug attention (head_dim 16) and experts of half the dense debug FFN
 # (384 = 768 / 2): with top-2 it computes as much per token as the dense debug model, with 4x its
 # FFN parameters; 4 blocks keep a test step's compilation short.
 mixtral_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=16, n_kv_heads=8, rope_theta=1e6,
                             num_experts=8, top_k=2, moe_hidden_dim=384),
-    "8x7B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=14336, rope_theta=1e6,
+    "8x7B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, rope_theta=1e6,
                       norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=14336, max_seq_len=32768,
                       aux_loss_weight=0.02),
-    "8x22B": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, multiple_of=16384, rope_theta=1e6,
+    "8x22B": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384, rope_theta=1e6,
                        norm_eps=1e-5, num_experts=8, top_k=2, moe_hidden_dim=16384, max_seq_len=65536,
                        aux_loss_weight=0.001),
 }
 
 # Qwen3 (Alibaba, 2025): Llama's block with per-head query/key RMSNorm, 128-wide heads whatever the
 # width, grouped-query attention and rope_theta 1e6; the numbers of the checkpoints' config.json
-# (intermediate_size is the FFN size: multiple_of rounds Llama's 8/3 dim up to exactly it). Context
-# 40960 (32768 trained, as published). The 0.6B-4B flavors tie their embeddings, as does the debug
-# model, whose heads (32) are not dim / n_heads (16), as Qwen3's are not. The MoE flavors have
-# experts in every block (128 small ones, top-8, renormalised: norm_topk_prob), no shared expert,
-# and their config's router_aux_loss_coef; their debug model has 8 experts, top-4, of a quarter of
-# the dense debug FFN (as much compute per token), untied as theirs are.
+# (intermediate_size is the FFN size, ffn_dim). Context 40960 (32768 trained, as published). The
+# 0.6B-4B flavors tie their embeddings, as does the debug model, whose heads (32) are not dim /
+# n_heads (16), as Qwen3's are not. The MoE flavors have experts in every block (128 small ones,
+# top-8, renormalised: norm_topk_prob), no shared expert, and their config's router_aux_loss_coef;
+# their debug model has 8 experts, top-4, of a quarter of the dense debug FFN (as much compute per
+# token), untied as theirs are.
 def _qwen3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, *, tied: bool = False,
            head_dim: int = 128, context: int = 40960, experts: int = 0, top_k: int = 8,
            expert_ffn: int | None = None) -> ModelArgs:
     moe = {}
     if experts:
         moe = dict(num_experts=experts, top_k=top_k, moe_hidden_dim=expert_ffn, aux_loss_weight=0.001)
-    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, multiple_of=ffn,
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn,
                      head_dim_override=head_dim, qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
                      max_seq_len=context, tie_embeddings=tied, **moe)
 
@@ -262,7 +261,7 @@ def _deepseek(dim: int, n_layers: int, n_heads: int, ffn: int, *, experts: int, 
               q_lora: int, kv_lora: int = 512, nope: int = 128, rope: int = 64, v: int = 128,
               theta: float = 10000.0, eps: float = 1e-6, context: int = 4096, yarn: Yarn | None = None,
               v2: bool = False) -> ModelArgs:
-    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, **ffn_sizing(dim, ffn), norm_eps=eps,
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn, norm_eps=eps,
                      rope_theta=theta, max_seq_len=context, num_experts=experts, top_k=top_k,
                      moe_hidden_dim=expert_ffn, router="softmax" if v2 else "sigmoid", norm_topk=not v2,
                      expert_groups=groups,

@@ -1,0 +1,339 @@
+"""ModelArgs from a HuggingFace config.json, importable without torch (config validation reads an
+HF folder's architecture before XLA starts: `[model] flavor = "hf"`).
+
+A config.json is read as transformers 5 reads it: a key it leaves out takes the default of its
+config class (LlamaConfig, Qwen3Config, ...; transformers 5.24's values below), a key may be
+spelled as transformers 5 writes it or as older files on the hub do (`num_local_experts` or
+`num_experts`; `rope_theta` at the top or inside `rope_parameters` / `rope_scaling`), and anything
+our model does not compute the same way is one ConfigError line ("config.json: ...").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchtitan_xla import storage
+from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn
+
+# [model] flavor = "hf": the architecture of the HuggingFace folder the run starts from.
+HF_FLAVOR = "hf"
+
+
+# [model] name -> the model_type values of the HF configs it runs.
+FAMILIES = {"llama2": ("llama",), "llama3": ("llama",), "mixtral": ("mixtral",),
+            "qwen3": ("qwen3", "qwen3_moe"), "deepseek_v2": ("deepseek_v2",),
+            "deepseek_v3": ("deepseek_v3",)}
+
+# What transformers 5.24's config classes give for a key the file leaves out (None: derived, as
+# their __post_init__ derives it). Only the keys read here.
+_COMMON = {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "hidden_act": "silu", "attention_bias": False, "rope_theta": 10000.0}
+_DEEPSEEK = {**_COMMON, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+             "qk_rope_head_dim": 64, "v_head_dim": 128, "mlp_bias": False}
+_DEFAULTS = {
+    "llama": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+              "mlp_bias": False},
+    "qwen3": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+              "max_position_embeddings": 32768, "use_sliding_window": False},
+    "qwen3_moe": {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                  "max_position_embeddings": 32768, "use_sliding_window": False, "decoder_sparse_step": 1,
+                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+                  "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": None},
+    "mixtral": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "sliding_window": None, "num_experts_per_tok": 2, "num_experts": 8,
+                "router_aux_loss_coef": 0.001},
+    "deepseek_v3": {**_DEEPSEEK, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "n_shared_experts": 1, "num_experts": 256, "routed_scaling_factor": 2.5, "n_group": 8,
+                    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+                    "norm_topk_prob": True, "max_position_embeddings": 4096, "rope_interleave": True},
+    "deepseek_v2": {**_DEEPSEEK, "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                    "first_k_dense_replace": 0, "n_group": None, "num_experts": 64, "n_shared_experts": 2,
+                    "routed_scaling_factor": 1.0, "topk_group": None, "topk_method": "greedy",
+                    "norm_topk_prob": False, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
+}
+# The routed experts' count under every name a config class takes it by (its field, and the
+# names its attribute_map sends to that field): Mixtral and Qwen3-MoE write num_local_experts,
+# older Qwen3-MoE files num_experts, DeepSeek n_routed_experts.
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_MISSING = object()
+
+
+def _getter(cfg: dict, model_type: str):
+    defaults = _DEFAULTS[model_type]
+
+    def get(key: str):
+        names = _EXPERTS if key == "num_experts" else (key,)
+        for name in names:
+            if name in cfg:
+                return cfg[name]
+        value = defaults.get(key, _MISSING)
+        if value is _MISSING:  # a key we read always has a default above
+            raise KeyError(key)
+        return value
+
+    return get
+
+
+def _rope(cfg: dict, model_type: str, kinds: tuple[str, ...]) -> tuple[str, dict, float]:
+    """(rope type, its parameters, rope_theta) as transformers 5 standardises them: rope_scaling
+    (older files) else rope_parameters; rope_theta inside it, else at the top, else the class's."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    scaling = scaling.get("full_attention", scaling)  # parameters per layer type: all are full here
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in kinds or scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config.json: {model_type} with RoPE {kind!r}"
+                          + (f" and partial_rotary_factor {scaling['partial_rotary_factor']}"
+                             if scaling.get("partial_rotary_factor", 1.0) != 1.0 else "")
+                          + f" is not supported (only {' or '.join(kinds)})")
+    theta = scaling.get("rope_theta")
+    if theta is None:
+        theta = cfg.get("rope_theta")
+    if theta is None:
+        theta = _DEFAULTS[model_type]["rope_theta"]
+    return kind, scaling, float(theta)
+
+
+def model_args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs computing what `LlamaForCausalLM` (or `MixtralForCausalLM`, `Qwen3ForCausalLM`,
+    `Qwen3MoeForCausalLM`, `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`) with this config
+    computes."""
+    model_type = cfg.get("model_type", "llama")  # hand-written Llama configs may leave it out
+    if model_type not in _DEFAULTS:
+        raise ConfigError(f"config.json: model_type {model_type!r} is not supported: not a Llama, Mixtral, "
+                          f"Qwen3 or DeepSeek config ({', '.join(_DEFAULTS)})")
+    get = _getter(cfg, model_type)
+    if get("hidden_act") != "silu":
+        raise ConfigError(f"config.json: hidden_act {get('hidden_act')!r} is not supported (only silu)")
+    biases = [k for k in ("attention_bias", "mlp_bias") if k in _DEFAULTS[model_type] and get(k)]
+    if biases:
+        raise ConfigError(f"config.json: {model_type} with {biases[0]} is not supported (no biases here)")
+    if model_type.startswith("deepseek"):
+        return _deepseek_args(cfg, model_type, get)
+    dim, heads = get("hidden_size"), get("num_attention_heads")
+    qwen3 = model_type in ("qwen3", "qwen3_moe")
+    head_dim = get("head_dim") or dim // heads  # null: derived (Llama's, Mixtral's __post_init__)
+    if qwen3 and get("use_sliding_window"):
+        raise ConfigError("config.json: Qwen3 with use_sliding_window is not supported")
+    kind, scaling, theta = _rope(cfg, model_type, ("default", "llama3"))
+    rope_scaling = None
+    if kind == "llama3":
+        rope_scaling = RopeScaling(scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+                                   scaling.get("original_max_position_embeddings",
+                                               get("max_position_embeddings")))
+    moe = {}
+    if model_type == "mixtral":
+        if get("sliding_window") is not None:
+            raise ConfigError("config.json: sliding-window attention (sliding_window) is not supported")
+        # Every block has experts of intermediate_size; top-k renormalised, dropless (Mixtral).
+        moe = dict(num_experts=get("num_experts"), top_k=get("num_experts_per_tok"),
+                   moe_hidden_dim=get("intermediate_size"), aux_loss_weight=get("router_aux_loss_coef"))
+    if model_type == "qwen3_moe":
+        # Experts of moe_intermediate_size in every decoder_sparse_step-th block, dense blocks of
+        # intermediate_size between; our router renormalises its top-k (norm_topk_prob).
+        if not get("norm_topk_prob") or get("mlp_only_layers"):
+            raise ConfigError("config.json: Qwen3-MoE without norm_topk_prob, or with mlp_only_layers, "
+                              "is not supported")
+        moe = dict(num_experts=get("num_experts"), top_k=get("num_experts_per_tok"),
+                   moe_hidden_dim=get("moe_intermediate_size"), moe_every=get("decoder_sparse_step"),
+                   aux_loss_weight=get("router_aux_loss_coef"))
+    kv_heads = get("num_key_value_heads")
+    # The FFN size is given directly (ffn_dim): any intermediate_size, not only Llama's 8/3 rule's.
+    return ModelArgs(dim=dim, n_layers=get("num_hidden_layers"), n_heads=heads,
+                     n_kv_heads=heads if kv_heads is None else kv_heads, vocab_size=get("vocab_size"),
+                     ffn_dim=get("intermediate_size"), norm_eps=get("rms_norm_eps"), rope_theta=theta,
+                     rope_scaling=rope_scaling,
+                     max_seq_len=get("max_position_embeddings"),  # and context_len
+                     qk_norm=qwen3, head_dim_override=head_dim if head_dim != dim // heads else None,
+                     tie_embeddings=bool(get("tie_word_embeddings")), **moe)
+
+
+def _deepseek_args(cfg: dict, model_type: str, get) -> ModelArgs:
+    """DeepSeek-V3's config.json (and Moonlight's, the same architecture), or DeepSeek-V2's: its
+    router must be one moe.py has (V3: sigmoid, bias, renormalised top-k; V2: softmax, top-k not
+    renormalised, transformers' greedy or group-limited greedy), every block after the dense ones.
+    Keys transformers 5 no longer has (scoring_func, topk_method for V3, moe_layer_freq) are checked
+    where older files carry them."""
+    v3 = model_type == "deepseek_v3"
+
+    def value(key: str, ok=None):  # a key of transformers 5's class, else an older file's (or ok)
+        return get(key) if key in _DEFAULTS[model_type] else cfg.get(key, ok)
+
+    required = ((("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("norm_topk_prob", True),
+                 ("rope_interleave", True)) if v3 else
+                (("scoring_func", "softmax"), ("norm_topk_prob", False))) + (("moe_layer_freq", 1),)
+    unsupported = [k for k, ok in required if value(k, ok) != ok]
+    if not v3 and get("topk_method") not in ("greedy", "group_limited_greedy"):
+        unsupported.append("topk_method")
+    version = "V3" if v3 else "V2"
+    kind, scaling, theta = _rope(cfg, model_type, ("default", "yarn"))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if (bool(mscale) != bool(mscale_all_dim) or scaling.get("attention_factor")
+            or scaling.get("truncate", True) is False):
+        unsupported.append("rope_scaling")
+    if unsupported:
+        key = unsupported[0]
+        there = scaling if key == "rope_scaling" else value(key)
+        raise ConfigError(f"config.json: DeepSeek-{version} with this {key} ({there!r}) is not supported")
+    yarn = None
+    if kind == "yarn":  # without mscale / mscale_all_dim: cos and sin scaled by mscale(1), not the softmax
+        original = scaling.get("original_max_position_embeddings") or get("max_position_embeddings")
+        # No factor: transformers takes the ratio of the context to the pre-training one.
+        yarn = Yarn(factor=scaling.get("factor") or get("max_position_embeddings") / original,
+                    original_max_position_embeddings=original,
+                    beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
+                    mscale=mscale or 1.0, mscale_all_dim=mscale_all_dim or 0.0)
+    dim, experts = get("hidden_size"), get("num_experts") or 0  # null: dense blocks only
+    top_k = get("num_experts_per_tok")
+    if experts and top_k is None:
+        raise ConfigError(f"config.json: DeepSeek-{version} with experts needs num_experts_per_tok")
+    grouped = v3 or get("topk_method") == "group_limited_greedy"  # V2's greedy ignores n_group
+    moe = dict(num_experts=experts, top_k=top_k or 1, moe_hidden_dim=get("moe_intermediate_size"),
+               router="sigmoid" if v3 else "softmax", norm_topk=v3,
+               aux_loss_weight=cfg.get("aux_loss_alpha", 0.0) if experts else 0.0,
+               expert_groups=get("n_group") or 1 if grouped else 1,
+               topk_groups=get("topk_group") or 1 if grouped else 1,
+               routed_scaling=get("routed_scaling_factor"),
+               shared_experts=get("n_shared_experts") or 0,
+               dense_layers=get("first_k_dense_replace") or 0)
+    mla = dict(kv_lora_rank=get("kv_lora_rank"), q_lora_rank=get("q_lora_rank") or 0,
+               qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
+               v_head_dim=get("v_head_dim"), yarn=yarn)
+    return ModelArgs(dim=dim, n_layers=get("num_hidden_layers"), n_heads=get("num_attention_heads"),
+                     vocab_size=get("vocab_size"), ffn_dim=get("intermediate_size"),
+                     norm_eps=get("rms_norm_eps"), rope_theta=theta,
+                     max_seq_len=get("max_position_embeddings"),
+                     tie_embeddings=bool(get("tie_word_embeddings")), **moe, **mla)
+
+
+# ---- the run's model against the HF folder it starts from -------------------------------------
+
+
+@dataclass
+class HFFlavorArgs(ModelArgs):
+    """What get_model_args gives for flavor "hf": a stand-in until match_initial_hf_weights reads
+    the folder's config.json, keeping the run's model name and its overrides (seq_len, [moe]) to
+    apply to the folder's args then."""
+
+    family: str = ""
+    overrides: dict = field(default_factory=dict)
+
+
+def read_hf_config(path: Path, where: str = "[checkpoint] initial_load_path") -> tuple[dict, ModelArgs]:
+    """(config.json as a dict, its ModelArgs); any problem one ConfigError line naming the file."""
+    try:
+        cfg = json.loads(path.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not an object")
+        return cfg, model_args_from_hf_config(cfg)
+    except (ConfigError, KeyError, ValueError, TypeError) as e:  # "config.json: ...", bad JSON or values
+        why = str(e).removeprefix("config.json: ") if isinstance(e, ConfigError) else (
+            f"not JSON ({e})" if isinstance(e, json.JSONDecodeError) else f"unusable ({e})")
+        raise ConfigError(f"{where}: {path}: {why}" if where else f"{path}: {why}") from None
+
+
+def hf_folder_args(family: str, checkpoint, where: str = "[checkpoint] initial_load_path") -> ModelArgs:
+    """Flavor "hf": the ModelArgs of the config.json in `checkpoint` ([checkpoint] section)'s
+    initial_load_path, which must be an HF folder of the family `family` ([model] name)."""
+    if not (checkpoint.initial_load_in_hf and checkpoint.initial_load_path):
+        raise ConfigError('[model] flavor = "hf" takes the architecture of the HuggingFace folder the '
+                          'run starts from: set [checkpoint] initial_load_path to it and initial_load_in_hf '
+                          '= true')
+    if storage.is_url(checkpoint.initial_load_path):
+        raise ConfigError(f"{where}: {checkpoint.initial_load_path}: HuggingFace weights are read from a "
+                          f"local folder; copy them to one first")
+    path = Path(checkpoint.initial_load_path) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f'{where}: no such file {path} ([model] flavor = "hf" reads the architecture '
+                          f'from it)')
+    cfg, args = read_hf_config(path, where)
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in FAMILIES.get(family, ()):
+        names = " or ".join(name for name, types in FAMILIES.items() if model_type in types)
+        raise ConfigError(f"{where}: {path} holds a {model_type} model, and the run's [model] name is "
+                          f"{family}: set [model] name = {names} (flavor hf takes the folder's architecture, "
+                          f"within the family of [model] name)")
+    return args
+
+
+# What decides what a checkpoint's weights compute, by our name and config.json's.
+_ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
+                 ("n_heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
+                 ("head_dim", "head_dim"), ("qk_norm", "query/key norms"),
+                 ("tie_embeddings", "tie_word_embeddings"), ("num_experts", "experts"),
+                 ("top_k", "num_experts_per_tok"), ("expert_hidden_dim", "the experts' size"),
+                 ("moe_every", "decoder_sparse_step"), ("ffn_hidden_dim", "intermediate_size"),
+                 ("norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+                 ("kv_lora_rank", "kv_lora_rank"), ("q_lora_rank", "q_lora_rank"),
+                 ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"),
+                 ("v_head_dim", "v_head_dim"), ("router", "scoring_func"),
+                 ("norm_topk", "norm_topk_prob"), ("shared_experts", "n_shared_experts"),
+                 ("dense_layers", "first_k_dense_replace"),
+                 ("expert_groups", "n_group"), ("topk_groups", "topk_group"),
+                 ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"))
+
+
+def architecture_difference(theirs: ModelArgs, ours: ModelArgs) -> tuple[str, object, object] | None:
+    """The first (config.json key, their value, ours) that makes the two compute differently."""
+    dense_blocks = any(not ours.is_moe_layer(i) for i in range(ours.n_layers))
+    for name, hf_name in _ARCHITECTURE:
+        if name == "ffn_hidden_dim" and not dense_blocks:
+            continue  # unused: every block has experts
+        if getattr(theirs, name) != getattr(ours, name):
+            return hf_name, getattr(theirs, name), getattr(ours, name)
+    return None
+
+
+def match_initial_hf_weights(cfg, args: ModelArgs, model: str) -> ModelArgs:
+    """A fine-tuning start from HF weights ([checkpoint] `cfg` with initial_load_in_hf) against the
+    run's model `args` ("name flavor"), before anything is built: the run takes the weights'
+    vocabulary (Qwen's embedding has rows past its tokenizer's ids), and any other difference in
+    architecture is one line, naming the flavor the folder holds if it is one of ours, else flavor
+    "hf". With flavor "hf" (`args` an HFFlavorArgs) the run's args are the folder's, with the run's
+    overrides (max_seq_len, [moe] capacity and loss weight) applied."""
+    from torchtitan_xla.models import models_config
+
+    if isinstance(args, HFFlavorArgs):
+        theirs = hf_folder_args(args.family, cfg)
+        overrides = {k: v for k, v in args.overrides.items() if k != "vocab_size"}
+        try:
+            ours = dataclasses.replace(theirs, **overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"[model] flavor = \"hf\": the run's settings do not fit "
+                              f"{cfg.initial_load_path}: {e}") from None
+        difference = architecture_difference(theirs, ours)
+        if difference is not None:
+            key, there, here = difference
+            raise ConfigError(f"[checkpoint] initial_load_path: {cfg.initial_load_path} has {key} {there}, "
+                              f"the run's settings make it {here} ([model] flavor = \"hf\" takes the "
+                              f"folder's architecture: leave [moe] num_experts, top_k, moe_every unset)")
+        return ours
+    path = Path(cfg.initial_load_path) / "config.json"
+    if not cfg.initial_load_in_hf or storage.is_url(cfg.initial_load_path) or not path.is_file():
+        return args  # a missing folder is reported where the weights are read
+    hf, theirs = read_hf_config(path)
+    difference = architecture_difference(theirs, args)
+    if difference is None:
+        return dataclasses.replace(args, vocab_size=theirs.vocab_size)
+    same = [f"{name} {flavor}" for name, flavors in models_config.items()
+            for flavor, candidate in flavors.items() if architecture_difference(theirs, candidate) is None]
+    if same:
+        hint = f"; it holds {' or '.join(same)}: set [model] name and flavor to it"
+    else:
+        family = model.split()[0] if model else ""
+        names = [name for name, types in FAMILIES.items() if hf.get("model_type", "llama") in types]
+        hint = ('; no flavor of ours has its architecture: set [model] flavor = "hf" to take it'
+                + ("" if family in names or not names else f" (with [model] name = {' or '.join(names)})"))
+    key, there, here = difference
+    raise ConfigError(f"[checkpoint] initial_load_path: {path} is not the run's model {model}: {key} {there} "
+                      f"there, {here} here{hint}")
