@@ -36,7 +36,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     import torch
 
-    from torchtitan_xla.checkpoint import CheckpointManager, Preemption, TrainState
+    from torchtitan_xla.checkpoint import CheckpointManager, Preemption, TrainState, check_initial_load_path
     from torchtitan_xla.checkpoint.hf import match_initial_hf_weights
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.errors import ConfigError
@@ -56,6 +56,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     )
     from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
     from torchtitan_xla.optimizer import (
+        NonFiniteGuard,
         build_lr_scheduler,
         build_optimizer,
         optimizer_state_tensors,
@@ -78,6 +79,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     ckpt = job_config.checkpoint
     if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.last_save_in_hf:
         check_writable(join(dump_folder, job_config.checkpoint.folder), "[checkpoint] folder")
+    check_initial_load_path(ckpt)  # also when a resume will not read it
 
     # Devices: one mesh over every device of every host (XLA: SPMD from its first call on; native:
     # the process group of one process per device).
@@ -232,6 +234,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                          job_config.moe.z_loss_weight, accumulation_steps)
     # DeepSeek-V3's routers balance by a bias, moved after each step by that step's expert load.
     biased_blocks = [m for m in moe_blocks if m.expert_bias is not None]
+    # A step with a non-finite loss or gradient norm leaves everything its update writes as it was.
+    nonfinite = NonFiniteGuard(device, skip=training.skip_nonfinite_steps,
+                               max_in_a_row=training.max_consecutive_nonfinite)
+    updated = [*trainable, *optimizer_state_tensors(optimizer), *(m.expert_bias for m in biased_blocks)]
+
+    def update(lrs: torch.Tensor, expert_counts: list[torch.Tensor]) -> None:
+        step_with_lr(optimizer, lrs)
+        if job_config.moe.bias_update_rate:
+            update_expert_bias(biased_blocks, expert_counts, job_config.moe.bias_update_rate)
 
     def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor):
         """One optimizer step on the batch; `packing` is (positions, document_ids) when several
@@ -257,14 +268,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         grad_norm = runtime.kernels.total_norm(grads)  # over sharded gradients
         if training.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(trainable, training.max_norm, grad_norm)
-        step_with_lr(optimizer, lrs)
-        if job_config.moe.bias_update_rate:
-            update_expert_bias(biased_blocks, expert_counts, job_config.moe.bias_update_rate)
+        loss_and_norm = torch.stack(runtime.whole([loss, grad_norm.detach()]))
+        nonfinite.update(loss_and_norm.isfinite().all(), updated, lambda: update(lrs, expert_counts))
         # Everything the log line needs from the device, as one tensor: one transfer per log step.
         rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1, c.shape[-1])
                                    for c in microbatches(counted)], 1) if packing else None)
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
-        stats = torch.stack(runtime.whole([loss, grad_norm.detach(), max_loss]))
+        stats = torch.cat([loss_and_norm, torch.stack([*runtime.whole([max_loss]), *nonfinite.state])])
         return torch.cat([stats, *runtime.whole([torch.stack(router).mean(0)])]) if router else stats
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
@@ -272,7 +282,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # everything the step reads and writes must be on the device: the batch, the lr, this state.
     compiled_step = runtime.build_step(
         job_config.compile.step, train_step,
-        [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)])
+        [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), *nonfinite.state])
 
     gc_handler = GarbageCollection(training.gc_freq)
     data_iterator = iter(data_loader)
@@ -299,11 +309,18 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             compile_guard.check(step)
 
             validating = validator is not None and validator.due(step)
-            if (step == first_step or step % job_config.metrics.log_freq == 0
-                    or step == training.steps or validating):
-                # The one host transfer per log step; it waits for this step to finish.
-                loss, grad_norm, max_loss, *router = step_stats.tolist()
-                history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss, tuple(router) or None))
+            # Agreed before the save decision, so that every host saves the same step or none.
+            stopping = job_config.checkpoint.enable and preemption.agreed_stop()
+            saving = checkpoint.should_save(step, training.steps, stopping=stopping)
+            logging_step = (step == first_step or step % job_config.metrics.log_freq == 0
+                            or step == training.steps or validating)
+            if logging_step or saving:
+                # The one host transfer per log or checkpoint step; it waits for this step to finish.
+                loss, grad_norm, max_loss, nonfinite_steps, in_a_row, *router = step_stats.tolist()
+                if logging_step:
+                    history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss,
+                                                     tuple(router) or None, nonfinite_steps=nonfinite_steps))
+                nonfinite.check(step, in_a_row)  # too many in a row: one line, before any save
             if validating:
                 # Its graph compiles at its first two calls, and never again (the guard checks).
                 with compile_guard.allowed() if validator.warming_up else contextlib.nullcontext():
@@ -312,9 +329,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 history[-1].validation_loss = result.loss
 
             train_state.step = step
-            # Agreed before the save decision, so that every host saves the same step or none.
-            stopping = job_config.checkpoint.enable and preemption.agreed_stop()
-            if checkpoint.should_save(step, training.steps, stopping=stopping):
+            if saving:
                 last = step == training.steps
                 with compile_guard.allowed():  # saving compiles small transfer graphs
                     checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)

@@ -3,9 +3,12 @@ same, compiles are faster), 6 steps with a checkpoint every 3, each in a fresh p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from helpers import tiny_args, train_run
+from helpers import REPO, tiny_args, train_run
 
 TWO_BLOCKS = {"n_layers": 2}
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
@@ -31,3 +34,39 @@ def args(folder: Path, *extra: str) -> list[str]:
 
 def run(folder: Path, *extra: str, devices: int = 1, **kw):
     return train_run(args(folder, *extra), devices=devices, model_overrides=TWO_BLOCKS, **kw)
+
+
+def all_tensors(step_dir: Path) -> dict:
+    """Every tensor of a checkpoint step (model, optimizer, RNG states), whole, on the host."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torchtitan_xla.checkpoint.commit import quiet_dcp
+
+    quiet_dcp()
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype)
+               for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
+    return tensors
+
+
+# train.py's command line (its error handling and exit codes) on the debug model cut to two blocks.
+_TRAIN_PY_TWO_BLOCKS = """
+import dataclasses, sys
+sys.path.insert(0, {repo!r})
+from torchtitan_xla.models import models_config
+models_config["llama3"]["debugmodel"] = dataclasses.replace(models_config["llama3"]["debugmodel"], n_layers=2)
+import train
+sys.argv[0] = "train.py"
+sys.exit(train.run_main(train.cli))
+"""
+
+
+def train_py_two_blocks(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """train.py with `argv` on one XLA CPU device, the llama3 debug model cut to two blocks
+    (`kw`: subprocess.run's)."""
+    return subprocess.run([sys.executable, "-c", _TRAIN_PY_TWO_BLOCKS.format(repo=str(REPO)), *argv],
+                          capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU",
+                                                                   CPU_NUM_DEVICES="1"), **kw)

@@ -54,6 +54,15 @@ def capture_logs():
         logger.removeHandler(handler)
 
 
+def event_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard holds under `folder`: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
 def _env(devices: int, extra: dict[str, str | None] | None) -> dict[str, str]:
     """This environment on the CPU backend with `devices` devices; `extra` values of None unset."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))

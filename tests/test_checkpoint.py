@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import CKPT, SLOW_SAVE, TWO_BLOCKS, args, run
+from checkpoint_helpers import CKPT, SLOW_SAVE, TWO_BLOCKS, all_tensors, args, run, train_py_two_blocks
 from helpers import REPO, losses_of, tiny_args, train_process
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
@@ -74,21 +74,6 @@ ckpt.CheckpointManager._write_snapshot, checkpointing.device_snapshot = write_sn
 """
 
 
-def _all_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint step (model, optimizer, RNG states), whole, on the host."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from torchtitan_xla.checkpoint.commit import quiet_dcp
-
-    quiet_dcp()
-    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
-    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype)
-               for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
-    return tensors
-
-
 def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
     mesh = ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
     losses, log = run(tmp_path / "a", *mesh, "--checkpoint.async_mode", "async", devices=8,
@@ -110,8 +95,8 @@ def test_async_save_on_fsdp4_tp2_holds_its_step_and_resumes_bit_exact(tmp_path):
     # The step-3 write ran after step 4 and still holds exactly the step-3 state: every tensor
     # (weights, Adam's moments and step counts, RNG states) equals a synchronous save's.
     run(tmp_path / "s", *mesh, devices=8)
-    async_state = _all_tensors(tmp_path / "a" / "checkpoint" / "step-3")
-    sync_state = _all_tensors(tmp_path / "s" / "checkpoint" / "step-3")
+    async_state = all_tensors(tmp_path / "a" / "checkpoint" / "step-3")
+    sync_state = all_tensors(tmp_path / "s" / "checkpoint" / "step-3")
     assert async_state.keys() == sync_state.keys()
     assert sum(k.endswith(".step") for k in async_state) == 2 + 2 * 9 + 1
     assert all(torch.equal(async_state[k], sync_state[k]) for k in sync_state), \
@@ -213,31 +198,16 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(straight, tmp_path)
     assert committed_steps(ckpt) == [6] and sorted(p.name for p in ckpt.iterdir()) == ["step-6"]
 
 
-# train.py's command line (its error handling and exit codes) on the debug model cut to two blocks.
-_TRAIN_PY_TWO_BLOCKS = """
-import dataclasses, sys
-sys.path.insert(0, {repo!r})
-from torchtitan_xla.models import models_config
-models_config["llama3"]["debugmodel"] = dataclasses.replace(models_config["llama3"]["debugmodel"], n_layers=2)
-import train
-sys.argv[0] = "train.py"
-sys.exit(train.run_main(train.cli))
-"""
-
-
 def _train_py(folder: Path, *extra: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
-    """train.py itself, for its exit code and error line; with `file_size_limit`, no file it writes
-    may grow past that many bytes (RLIMIT_FSIZE: a full disk, reproducibly; Python ignores SIGXFSZ,
-    so the write fails with EFBIG)."""
+    """train.py's command line with a checkpoint every 3 steps; with `file_size_limit`, no file it
+    writes may grow past that many bytes (RLIMIT_FSIZE: a full disk, reproducibly; Python ignores
+    SIGXFSZ, so the write fails with EFBIG)."""
     import resource
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, "-c", _TRAIN_PY_TWO_BLOCKS.format(repo=str(REPO)),
-                           *tiny_args(folder, *CKPT, *extra)],
-                          capture_output=True, text=True, env={**_cpu_env(), "CPU_NUM_DEVICES": "1"},
-                          preexec_fn=limit if file_size_limit else None)
+    return train_py_two_blocks(tiny_args(folder, *CKPT, *extra), preexec_fn=limit if file_size_limit else None)
 
 
 def test_a_failed_write_is_one_line_exit_1_and_keeps_the_previous_checkpoint(tmp_path):
@@ -328,6 +298,21 @@ def _cpu_env():
     import os
 
     return dict(os.environ, PJRT_DEVICE="CPU")
+
+
+def test_a_missing_initial_load_path_stops_a_resuming_run_before_anything_is_written(straight, tmp_path):
+    """The run would resume from its own step-3 and never read initial_load_path: a typo there is
+    still found at start (else it surfaces only at the next fresh start)."""
+    folder, _, _ = straight
+    copy = _copy_up_to(folder, tmp_path / "r", 3)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    missing = tmp_path / "no-such-folder"
+    p = train_py_two_blocks(args(copy, "--checkpoint.initial_load_path", str(missing)))
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: command line: --checkpoint.initial_load_path: not a folder: {missing}")
+    assert "Traceback" not in p.stderr and "Resumed" not in p.stderr
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
 def test_load_step_and_keep_latest_k(straight, tmp_path):

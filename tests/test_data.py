@@ -518,6 +518,25 @@ def test_a_bad_document_line_stops_train_py_with_one_line(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize("texts,workers", [([], 0), (["only one"], 2)], ids=["empty", "fewer than readers"])
+def test_a_dataset_without_documents_stops_train_py_before_anything_is_written(tmp_path, texts, workers):
+    """Found with the other data checks, before the config is printed or the dump folder made, not
+    at the first batch: an empty file, and a file with fewer documents than the host's readers."""
+    from helpers import run_train, tiny_args
+
+    path = write_jsonl(tmp_path / "data.jsonl", texts)
+    run = run_train(tiny_args(tmp_path / "out", "--training.dataset", "json", "--training.dataset_path",
+                              str(path), "--training.num_workers", str(workers), "--job.print_config"))
+    assert run.returncode == 2
+    reader, why = (("host 0 of 1", "is empty") if not workers
+                   else ("host 0 of 1, worker 1 of 2", "has fewer documents than its 2 readers"))
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: command line: --training.dataset_path: {path}: no documents for {reader} "
+        f"(the dataset {why}) (dataset from the command line)")
+    assert "Traceback" not in run.stderr and "Effective config" not in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_config_offers_exactly_the_registered_datasets():
     import typing
 

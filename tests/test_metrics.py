@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, capture_logs, tiny_args
+from helpers import REPO, capture_logs, event_scalars, tiny_args
 
 from torchtitan_xla import metrics, peak_flops
 from torchtitan_xla.config import ConfigError, parse_args
@@ -25,14 +25,6 @@ from torchtitan_xla.config import ConfigError, parse_args
 SEQ_LEN = 32  # no other in-process test uses it, so the graph compile counts here are our own
 TB_ARGS = ("--training.seq_len", str(SEQ_LEN), "--training.steps", "6", "--metrics.log_freq", "2")
 LOG_STEPS = [1, 2, 4, 6]
-
-
-def _event_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
 def _run(dump: Path, *extra: str):
@@ -70,9 +62,9 @@ def runs(tmp_path_factory, xla_device):
 
 def test_tensorboard_scalars_are_the_logged_values(runs):
     history, *_ = runs["on"]
-    scalars = _event_scalars(runs["tb_dir"])
+    scalars = event_scalars(runs["tb_dir"])
     assert {"loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr",
-            "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)",
+            "loss_metrics/nonfinite_steps", "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)",
             "time_metrics/data_loading(s)", "time_metrics/data_loading(%)", "xla/num_compiles",
             "xla/compile_time(s)", "memory/host_rss(GiB)", "memory/host_max_rss(GiB)"
             } == set(scalars)
@@ -98,7 +90,7 @@ def test_mfu_equals_the_hand_computed_value(runs):
     n_no_embedding = 8 * layer + 256 + 256 * 2256  # + final norm + output projection
     flops_per_token = 6 * n_no_embedding + 12 * 8 * 16 * 16 * SEQ_LEN
     assert flops_per_token == 45_172_224
-    scalars = _event_scalars(runs["tb_dir"])
+    scalars = event_scalars(runs["tb_dir"])
     for (_, tps), (_, step_time), (_, tflops), (_, mfu) in zip(
             scalars["throughput(tps)"], scalars["time_metrics/end_to_end(s)"], scalars["tflops"],
             scalars["mfu(%)"], strict=True):
@@ -149,8 +141,8 @@ def test_plot_runs_draws_the_event_file_data(runs, tmp_path):
             w.add_scalar("loss_metrics/global_avg_loss", 10.0 - step / 2, step)
     out = tmp_path / "curves.png"
     fig = plot_runs.plot_runs([runs["dump"], other], out)
-    expected = {str(runs["dump"]): _event_scalars(runs["tb_dir"]),
-                str(other): _event_scalars(other / "tb" / "20250101-000000")}
+    expected = {str(runs["dump"]): event_scalars(runs["tb_dir"]),
+                str(other): event_scalars(other / "tb" / "20250101-000000")}
     loss_ax, tps_ax = fig.axes
     assert loss_ax.get_title() == "loss_metrics/global_avg_loss"
     assert {ln.get_label() for ln in loss_ax.lines} == set(expected)
@@ -373,8 +365,8 @@ def test_rank_0_only_decides_which_hosts_log(tmp_path, xla_device):
         loud.log(1, 2.0, 1.0, 1e-3)
         loud.close()
     (rank_dir,) = (tmp_path / "b" / "tb").glob("*/rank_1")
-    assert _event_scalars(rank_dir)["loss_metrics/global_avg_loss"] == [(1, 2.0)]
-    assert "mfu(%)" not in _event_scalars(rank_dir)  # no peak known: no made-up value
+    assert event_scalars(rank_dir)["loss_metrics/global_avg_loss"] == [(1, 2.0)]
+    assert "mfu(%)" not in event_scalars(rank_dir)  # no peak known: no made-up value
     assert any(m.startswith("step:     1  loss:   2.0000") for m in handler.messages())
 
 

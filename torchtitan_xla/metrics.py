@@ -139,6 +139,9 @@ class StepStats:
     # MoE models: the router's load-balancing loss, z-loss, fraction of token choices dropped by
     # capacity and the experts' load max/min, each the mean over MoE blocks and microbatches.
     router: tuple[float, float, float, float] | None = None
+    # Steps since the launch whose loss or gradient norm was not finite ([training]
+    # skip_nonfinite_steps: their updates were skipped).
+    nonfinite_steps: int = 0
 
 
 def _eta(seconds: float) -> str:
@@ -155,7 +158,7 @@ class MetricLogger:
     def __init__(self, *, flops_per_token: int, tokens_per_step: int, num_devices: int,
                  color: bool, peak_flops: float | None = None, total_steps: int = 0,
                  dp_degree: int = 1, sinks: list | None = None, enabled: bool = True,
-                 memory: MemoryMonitor | None = None):
+                 memory: MemoryMonitor | None = None, skip_nonfinite: bool = True):
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
         self.num_devices = num_devices
@@ -164,6 +167,7 @@ class MetricLogger:
         self.dp_degree = dp_degree
         self.enabled = enabled
         self.memory = memory or MemoryMonitor()
+        self.nonfinite = "skipped steps" if skip_nonfinite else "non-finite steps (applied)"
         self.colors = _Colors(color)
         self.sinks = list(sinks or []) if enabled else []  # TensorBoard, W&B: the same scalars
         self._last_step = 0
@@ -178,7 +182,8 @@ class MetricLogger:
         self._data_wait += seconds
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float,
-            max_loss: float | None = None, router: tuple[float, ...] | None = None) -> StepStats:
+            max_loss: float | None = None, router: tuple[float, ...] | None = None,
+            nonfinite_steps: float = 0) -> StepStats:
         now = time.perf_counter()
         steps = max(step - self._last_step, 1)
         dt = (now - self._last_time) / steps
@@ -192,7 +197,7 @@ class MetricLogger:
         stats = StepStats(step=step, loss=loss, max_loss=loss if max_loss is None else max_loss,
                           grad_norm=grad_norm, lr=lr, tokens_per_second=tps, tflops=flops / 1e12,
                           mfu=mfu, step_time=dt, data_wait=data_wait, memory=memory,
-                          eta_seconds=eta, router=router)
+                          eta_seconds=eta, router=router, nonfinite_steps=int(nonfinite_steps))
         if self.enabled:
             self._print(stats)
             self._write(stats)
@@ -226,6 +231,8 @@ class MetricLogger:
             aux, z, dropped, spread = s.router
             loss += (f"  router aux: {aux:.4f} z: {z:.3f} dropped: {100 * dropped:.1f}% "
                      f"load max/min: {spread:.2f}")
+        if s.nonfinite_steps:
+            loss += f"  {c.yellow}{self.nonfinite}: {s.nonfinite_steps}{c.green}"
         logger.info(
             f"{c.cyan}step: {s.step:>5}  {c.green}{loss}  {c.reset}grad_norm: {s.grad_norm:7.4f}  "
             f"lr: {s.lr:.2e}  {c.yellow}memory: {s.memory}  "
@@ -240,6 +247,7 @@ class MetricLogger:
             "loss_metrics/global_avg_loss": s.loss,
             "loss_metrics/global_max_loss": s.max_loss,
             "grad_norm": s.grad_norm,
+            "loss_metrics/nonfinite_steps": s.nonfinite_steps,
             "lr": s.lr,
             "throughput(tps)": s.tokens_per_second,
             "tflops": s.tflops,
@@ -331,4 +339,5 @@ def build_metric_logger(job_config: JobConfig, *, flops_per_token: int, tokens_p
     return MetricLogger(
         flops_per_token=flops_per_token, tokens_per_step=tokens_per_step, num_devices=num_devices,
         color=metrics.enable_color_printing, peak_flops=peak, total_steps=job_config.training.steps,
-        dp_degree=dp_degree, sinks=sinks, enabled=enabled, memory=MemoryMonitor(device))
+        dp_degree=dp_degree, sinks=sinks, enabled=enabled, memory=MemoryMonitor(device),
+        skip_nonfinite=job_config.training.skip_nonfinite_steps)

@@ -11,8 +11,9 @@ from torchtitan_xla.checkpoint.commit import (
     verify,
     write_model_checkpoint,
 )
-from torchtitan_xla.checkpoint.manager import CheckpointManager, TrainState
+from torchtitan_xla.checkpoint.manager import CheckpointManager, TrainState, check_initial_load_path
 from torchtitan_xla.checkpoint.preemption import Preemption
 
 __all__ = ["COMMIT_FILE", "MODEL_ARGS_FILE", "CheckpointManager", "DamagedCheckpoint", "Preemption",
-           "TrainState", "committed_steps", "read_model_state", "verify", "write_model_checkpoint"]
+           "TrainState", "check_initial_load_path", "committed_steps", "read_model_state", "verify",
+           "write_model_checkpoint"]

@@ -76,6 +76,20 @@ def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
                  planner=runtime.checkpointing.load_planner(), process_group=process_group)
 
 
+def check_initial_load_path(cfg) -> None:
+    """`[checkpoint] initial_load_path` (of the [checkpoint] section `cfg`), at start: also when
+    the run resumes from its own checkpoint and will not read it, where a typo would otherwise
+    surface only at the next fresh start."""
+    path = cfg.initial_load_path
+    if not path:
+        return
+    if cfg.initial_load_in_hf and storage.is_url(path):
+        raise ConfigError(f"[checkpoint] initial_load_path: {path}: HuggingFace weights are read "
+                          f"from a local folder; copy them to one first")
+    if not storage.isdir(path):
+        raise ConfigError(f"[checkpoint] initial_load_path: not a folder: {path}")
+
+
 class CheckpointManager:
     def __init__(self, job_config: JobConfig, *, model: torch.nn.Module, model_args, optimizer,
                  lr_scheduler, data_loader, train_state: TrainState, host_rank: int = 0,
@@ -156,8 +170,11 @@ class CheckpointManager:
         """Save the state after `step` (only the weights, in export_dtype, with `model_only`);
         returns the seconds the training loop was blocked."""
         start = time.perf_counter()
+        if not self._weights_finite(f"checkpoint step-{step}"):
+            return time.perf_counter() - start
+        waiting = time.perf_counter()
         self.wait()  # one save at a time; time spent here counts as blocked
-        waited_s = time.perf_counter() - start
+        waited_s = time.perf_counter() - waiting
         states = self._states(model_only)
         if model_only and self.cfg.export_dtype != "float32":
             dtype = getattr(torch, self.cfg.export_dtype)
@@ -176,6 +193,17 @@ class CheckpointManager:
         logger.info(f"Checkpoint step-{step}: {'staged' if self._executor else 'saved'}"
                     f"{' (model only)' if model_only else ''}, loop blocked {blocked:.2f}s{waited}")
         return blocked
+
+    def _weights_finite(self, what: str) -> bool:
+        """Whether every weight is finite; if not, `what` is not written (and said so): a
+        checkpoint of NaN weights would be the newest, and keep_latest_k would delete good ones."""
+        counts = [(~p.detach().isfinite()).sum() for p in self.model.parameters()]
+        bad = int(torch.stack(runtime.whole(counts)).sum().item())
+        if bad:
+            steps = commit.committed_steps(self.folder)
+            newest = f"step-{steps[-1]} stays the newest checkpoint" if steps else "there is no checkpoint"
+            logger.error(f"{what} not written: {bad:,} weights are NaN or inf; {newest}")
+        return not bad
 
     def _write_snapshot(self, step: int, snapshot: list[dict[str, Any]], model_only: bool) -> None:
         start = time.perf_counter()
@@ -229,6 +257,8 @@ class CheckpointManager:
         with LoRA, merged, and the adapters alone as a PEFT folder <folder>/step-<N>-peft."""
         from torchtitan_xla.checkpoint.hf import export_hf, export_peft, gather_state_dict
 
+        if not self._weights_finite(f"HuggingFace export step-{step}"):
+            return None
         if self.host_count > 1 and not runtime.PROCESS_PER_DEVICE:
             logger.warning("last_save_in_hf: with several hosts, convert the saved checkpoint with "
                            "scripts/convert_to_hf.py instead (one host cannot gather every shard)")
@@ -359,11 +389,6 @@ class CheckpointManager:
         from torchtitan_xla.checkpoint.hf import load_hf_into_model
 
         path = self.cfg.initial_load_path
-        if self.cfg.initial_load_in_hf and storage.is_url(path):
-            raise ConfigError(f"[checkpoint] initial_load_path: {path}: HuggingFace weights are read "
-                              f"from a local folder; copy them to one first")
-        if not storage.isdir(path):
-            raise ConfigError(f"[checkpoint] initial_load_path: not a folder: {path}")
         titan = None
         if self.cfg.initial_load_in_hf:
             load_hf_into_model(self.model, self.model_args, path, mesh)

@@ -124,6 +124,13 @@ class Training:
         "-1: local_batch_size x data-parallel degree (no accumulation).")
     seq_len: int = opt(2048, "Tokens per sequence.", gt=0)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).", ge=0)
+    skip_nonfinite_steps: bool = opt(
+        True, "A step whose loss or gradient norm is NaN or inf leaves the weights, the optimizer "
+        "state and the MoE bias as they were (decided inside the step, no host sync); the log line "
+        "counts it. false: its update is applied as computed.")
+    max_consecutive_nonfinite: int = opt(
+        10, "Stop the run (one line, exit 1) when this many steps in a row were non-finite, checked "
+        "at log and checkpoint steps; 0: never stop.", ge=0)
     steps: int = opt(10000, "Training steps.", gt=0)
     packing: bool = opt(
         True, "Chat datasets: pack several conversations into each sequence, with attention that "

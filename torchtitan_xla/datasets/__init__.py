@@ -42,6 +42,8 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
             dataset = ChatDataset(documents, tokenizer, t.seq_len, packing=t.packing, **stream)
         else:
             dataset = PackedTextDataset(documents, tokenizer, t.seq_len, **stream)
+        dataset.check_documents(t.num_workers, f"[training] dataset_path: {t.dataset_path}"
+                                if t.dataset_path else f"[training] dataset: {t.dataset}")
     workers = t.num_workers
     host_loader = StatefulDataLoader(
         dataset, batch_size=batch_size, num_workers=workers, drop_last=drop_last,

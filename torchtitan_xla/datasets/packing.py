@@ -111,6 +111,27 @@ class DocumentStream(IterableDataset):
             logger.warning(f"dataset {self.name} ({self._where}): end of data, re-looping from the "
                            f"start (epoch {self._epoch})")
 
+    def check_documents(self, workers: int, where: str) -> None:
+        """Every reader of this host (one per worker) has a first document with the column, read
+        now: an empty file is then found before the run writes anything, not at its first batch.
+        The stream itself is untouched (each check reads a split of its own)."""
+        from datasets.distributed import split_dataset_by_node
+
+        workers = max(workers, 1)
+        for worker in range(workers):
+            readers = self._host_count * workers
+            reader = f"host {self._host_rank} of {self._host_count}" + (
+                f", worker {worker} of {workers}" if workers > 1 else "")
+            split = split_dataset_by_node(self._source, self._host_rank * workers + worker, readers)
+            first = next(iter(split.iter(batch_size=1)), None)
+            if first is None:
+                empty = readers == 1 or next(iter(self._source.iter(batch_size=1)), None) is None
+                why = "is empty" if empty else f"has fewer documents than its {readers} readers"
+                raise ConfigError(f"{where}: no documents for {reader} (the dataset {why})")
+            if self.column not in first:
+                raise ConfigError(f"{where}: documents have no '{self.column}' field (fields: "
+                                  f"{', '.join(first)})")
+
     def _shuffled(self, texts: Iterator[str]) -> Iterator[str]:
         for text in texts:
             if len(self._shuffle) < self._shuffle_size:

@@ -20,11 +20,12 @@ from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.optimizer.adafactor import Adafactor
 from torchtitan_xla.optimizer.lion import Lion
 from torchtitan_xla.optimizer.muon import Muon, muon_param_groups
+from torchtitan_xla.optimizer.nonfinite import NonFiniteGuard
 from torchtitan_xla.optimizer.schedule import build_lr_scheduler, lr_factor
 from torchtitan_xla.optimizer.state import new_states, zeros_like_param
 
-__all__ = ["Adafactor", "Lion", "Muon", "build_lr_scheduler", "build_optimizer", "lr_factor",
-           "optimizer_state_tensors", "step_with_lr"]
+__all__ = ["Adafactor", "Lion", "Muon", "NonFiniteGuard", "build_lr_scheduler", "build_optimizer",
+           "lr_factor", "optimizer_state_tensors", "step_with_lr"]
 
 
 def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,59 @@
+"""Steps whose loss or gradient norm is not finite: the update skipped inside the step's graph.
+
+One NaN gradient applied to the weights makes every later step NaN, and every checkpoint saved
+after it useless. `NonFiniteGuard` decides on the device, with no host sync: the update runs, and
+each tensor it wrote (parameters, optimizer state, the MoE balance bias) is then selected back to
+its value before the update when the step was not finite (optax's `apply_if_finite`). On XLA the
+selection fuses into the update's elementwise loop; on the native runtime the old values are
+copied first (`[training] skip_nonfinite = false` saves that copy). A finite step is unchanged bit
+for bit: `where(True, new, old)` is `new`.
+
+Its counters (non-finite steps since the launch, and in a row now) live on the device too and
+travel with the step's other statistics, read at log and checkpoint steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torchtitan_xla.errors import RunError
+
+
+class NonFiniteGuard:
+    def __init__(self, device: torch.device | str, *, skip: bool, max_in_a_row: int = 0):
+        self.skip, self.max_in_a_row = skip, max_in_a_row
+        # float32: they are stacked with the loss into the one tensor the log step reads
+        self.count = torch.zeros((), dtype=torch.float32, device=device)
+        self.in_a_row = torch.zeros((), dtype=torch.float32, device=device)
+
+    @property
+    def state(self) -> list[torch.Tensor]:
+        """What the step reads and writes besides the model and the optimizer (for the replay)."""
+        return [self.count, self.in_a_row]
+
+    @torch.no_grad()
+    def update(self, finite: torch.Tensor, written: Sequence[torch.Tensor], update: Callable[[], None]):
+        """Run `update()`, which writes the tensors `written` in place; where `finite` (a boolean
+        device scalar) is false, they keep their values from before it. The counters count the
+        step as non-finite either way (with `skip` off the update is applied as computed)."""
+        before = [t.detach().clone() for t in written] if self.skip else []
+        update()
+        for t, old in zip(written, before):
+            t.copy_(torch.where(finite, t, old))
+        bad = (~finite).float()
+        self.count.add_(bad)
+        self.in_a_row.copy_((self.in_a_row + 1) * bad)
+
+    def check(self, step: int, in_a_row: float) -> None:
+        """Stop the run after `max_in_a_row` non-finite steps in a row (0: never), given the
+        counter's value read back after `step`."""
+        n = int(in_a_row)
+        if not self.max_in_a_row or n < self.max_in_a_row:
+            return
+        weights = (f"their updates were skipped, the weights are step {step - n}'s" if self.skip
+                   else "their updates were applied, the weights are not finite")
+        raise RunError(f"steps {step - n + 1}..{step}: {n} steps in a row had a non-finite loss or "
+                       f"gradient norm ([training] max_consecutive_nonfinite = {self.max_in_a_row}); "
+                       f"{weights}; lower [optimizer] lr, or look at the data of step {step - n + 1}")
