@@ -46,11 +46,8 @@ if [[ ! -f "$CONFIG_FILE" && -f "$REPO/train_configs/$CONFIG_FILE" ]]; then
 fi
 
 if [[ -z "${PJRT_DEVICE:-}" ]]; then
-  if compgen -G "/dev/accel*" >/dev/null || compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
-    export PJRT_DEVICE=TPU
-  else
-    export PJRT_DEVICE=CPU
-  fi
+  # TTX_ACCELERATOR: this host's, from its device files (setup_python)
+  if [[ "$TTX_ACCELERATOR" == tpu ]]; then export PJRT_DEVICE=TPU; else export PJRT_DEVICE=CPU; fi
 fi
 
 # This checkout's package, whatever else the Python has installed.
@@ -71,9 +68,10 @@ if [[ "$MODE" == check-hosts ]]; then
 fi
 if [[ "${TTX_RUNTIME:-xla}" == native ]]; then
   # The native runtime: one process per device, started by torchrun (its variables tell each one
-  # its rank), with the hosts' rendezvous or, on one host, a private one (TTX_RDZV).
+  # its rank), with the hosts' rendezvous or, on one host, a private one (TTX_RDZV); an error
+  # the processes stop on is printed once (launch/torchrun.py).
   read -r -a RDZV <<< "$TTX_RDZV"
-  exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC_PER_NODE" \
+  exec "$PY" -m torchtitan_xla.launch.torchrun "${RDZV[@]}" --nproc-per-node "$NPROC_PER_NODE" \
     "$REPO/train.py" "${ARGS[@]}"
 fi
 exec "$PY" "$REPO/train.py" "${ARGS[@]}"

@@ -44,13 +44,34 @@ _device_python() {
   fi
 }
 
-setup_python() {
+# This host's accelerator, from its device files (torchtitan_xla/runtime/host_devices.py, run with
+# the system's Python before anything is installed): tpu, cuda or cpu. Sets TTX_ACCELERATOR.
+detect_accelerator() {
+  TTX_ACCELERATOR="$("${PYTHON:-python3}" "$_TTX_REPO/torchtitan_xla/runtime/host_devices.py")"
+}
+
+# The extras ./.venv gets for extras $1 on this host: a TPU host adds `tpu` (torch_xla's libtpu).
+# A GPU host needs nothing more: PyPI's torch is a CUDA build, which the native runtime uses.
+venv_extras() {
   local extras="${1:-}"
+  if [[ "$TTX_ACCELERATOR" == tpu ]]; then extras="${extras:+$extras,}tpu"; fi
+  echo "$extras"
+}
+
+# What ./.venv records once installed with extras $1: pyproject.toml's checksum and the extras.
+_stamp() {
+  echo "$(cksum < "$_TTX_REPO/pyproject.toml" | cut -d' ' -f1)-${1:-base}"
+}
+
+setup_python() {
+  detect_accelerator
+  local extras
+  extras="$(venv_extras "${1:-}")"
   local base="${PYTHON:-python3}"
   local spec="$_TTX_REPO"
   if [[ -n "$extras" ]]; then spec="$_TTX_REPO[$extras]"; fi
   local stamp_id
-  stamp_id="$(cksum < "$_TTX_REPO/pyproject.toml" | cut -d' ' -f1)-${extras:-base}"
+  stamp_id="$(_stamp "$extras")"
 
   if [[ -n "$(_device_python "$base")" ]]; then
     PY="$(command -v "$base")"
@@ -63,6 +84,12 @@ setup_python() {
       "$PY" -m pip install --quiet --no-deps -e "$_TTX_REPO"
       "$PY" -m pip install --quiet -r <("$PY" "$_TTX_REPO/scripts/requirements.py" $extras --exclude "${keep[@]}")
       if _has_modules "$PY" torch_xla; then _restore_torchax; fi
+    fi
+    # A TPU VM's torch_xla without its TPU runtime (libtpu, torch_xla's `tpu` extra).
+    if [[ "$TTX_ACCELERATOR" == tpu ]] && _has_modules "$PY" torch_xla && ! _has_modules "$PY" libtpu \
+        && [[ -z "${TPU_LIBRARY_PATH:-}" ]]; then
+      echo "[setup] adding libtpu to $PY (torch_xla's tpu extra)" >&2
+      "$PY" -m pip install --quiet "torch_xla[tpu]==$("$PY" -c 'import importlib.metadata as m; print(m.version("torch_xla").split("+")[0])')"
     fi
     return 0
   fi
@@ -80,8 +107,8 @@ setup_python() {
     _restore_torchax
     rm -f "$_TTX_REPO"/.venv/.installed-*
     touch "$_TTX_REPO/.venv/.installed-$stamp_id"
-    # a dev install also satisfies the base install
-    if [[ -n "$extras" ]]; then touch "$_TTX_REPO/.venv/.installed-${stamp_id%-*}-base"; fi
+    # a dev install also satisfies the base install (and on a TPU host, dev,tpu satisfies tpu)
+    if [[ "${1:-}" == dev ]]; then touch "$_TTX_REPO/.venv/.installed-$(_stamp "$(venv_extras "")")"; fi
   fi
   return 0
 }

@@ -3,7 +3,6 @@ dry run, and bad input (one line, exit 2, before anything starts). No XLA here."
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import subprocess
@@ -324,12 +323,11 @@ def test_native_launch_refuses_a_device_the_host_lacks_in_one_line(tmp_path):
     per device the degrees ask for, sharing the cores."""
     from torchtitan_xla.runtime.native.process import launch_env
 
-    if not shutil.which("nvidia-smi"):
-        with pytest.raises(ConfigError, match=r'device = "cuda": this host has no NVIDIA GPU'):
-            launch_env(8, "cuda", {})
-    if not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
-        with pytest.raises(ConfigError, match=r'device = "tpu": this host has no TPU chips'):
-            launch_env(8, "tpu", {})
+    bare = {"TTX_DEV_ROOT": str(tmp_path)}  # a stand-in /dev with no device files
+    with pytest.raises(ConfigError, match=r'device = "cuda": this host has no NVIDIA GPU'):
+        launch_env(8, "cuda", bare)
+    with pytest.raises(ConfigError, match=r'device = "tpu": this host has no TPU chips'):
+        launch_env(8, "tpu", bare)
     cpu = launch_env(8, "cpu", {}, hosts=2)
     assert (cpu["TTX_RUNTIME"], cpu["NPROC_PER_NODE"]) == ("native", "4")
     assert cpu["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
@@ -342,6 +340,71 @@ def test_native_launch_refuses_a_device_the_host_lacks_in_one_line(tmp_path):
         assert p.stderr.strip().splitlines() == [
             'error: command line: --runtime.device = "cuda": this host has no NVIDIA GPU (no '
             'nvidia-smi); set NPROC_PER_NODE if it has one']
+
+
+def _stand_in_dev(root, *files: str):
+    """A folder standing in for /dev, holding empty device files `files` (e.g. accel0, vfio/0)."""
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    return root
+
+
+@pytest.mark.parametrize("files,accelerator", [((), "cpu"), (("accel0", "accel1"), "tpu"),
+                                               (("vfio/0", "vfio/vfio"), "tpu"), (("nvidia0",), "cuda")],
+                         ids=["none", "tpu-v4", "tpu-v5", "gpu"])
+def test_the_setup_installs_torch_xlas_tpu_runtime_on_a_tpu_host(tmp_path, files, accelerator):
+    """scripts/setup_env.sh's choice of extras for ./.venv, by the device files of a stand-in /dev
+    (nothing installed): a TPU host adds `tpu`, torch_xla's own extra that brings libtpu."""
+    dev = _stand_in_dev(tmp_path / "dev", *files)
+    script = f'source {REPO}/scripts/setup_env.sh; detect_accelerator; echo "$TTX_ACCELERATOR|$(venv_extras dev)|$(venv_extras)"'
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                       env=dict(os.environ, TTX_DEV_ROOT=str(dev), PYTHON=sys.executable))
+    tpu = accelerator == "tpu"
+    assert p.stdout.strip() == f"{accelerator}|dev{',tpu' if tpu else ''}|{'tpu' if tpu else ''}", p.stderr
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["tpu"] == [f"torch_xla[tpu]=={process.TORCH_XLA_VERSION}"]
+    assert f"torch_xla=={process.TORCH_XLA_VERSION}" in project["dependencies"]
+
+
+def test_a_tpu_run_without_libtpu_is_one_line_naming_it_and_its_install_command(tmp_path):
+    """PJRT_DEVICE=TPU on this CPU machine, whose Python has torch_xla but not its TPU runtime (as a
+    TPU VM's before the set-up adds it): one line, exit 2, before XLA starts (torch_xla's own
+    failure is a 30-line traceback ending `libtpu not found`)."""
+    from torchtitan_xla.runtime.xla.process import libtpu_found
+
+    assert not libtpu_found({}), "this test needs a Python without libtpu"
+    line = (f"error: PJRT_DEVICE=TPU: this Python has no libtpu, the TPU runtime torch_xla loads; install "
+            f"it with: {sys.executable} -m pip install 'torch_xla[tpu]=={process.TORCH_XLA_VERSION}'")
+    p = subprocess.run([str(REPO / "run_train.sh"), "--training.steps", "1", "--job.dump_folder",
+                        str(tmp_path / "out")], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=sys.executable, PJRT_DEVICE="TPU"))
+    assert (p.returncode, p.stderr.strip().splitlines()) == (2, [line]), p.stderr
+    # train.py itself, as the launcher would start it: the same line.
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), "--training.steps", "1", "--job.dump_folder",
+                        str(tmp_path / "out")], capture_output=True, text=True,
+                       env=dict(os.environ, PJRT_DEVICE="TPU"))
+    assert (p.returncode, p.stderr.strip().splitlines()[-1]) == (2, line), p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"TPU_LIBRARY_PATH": "/opt/libtpu.so", "PJRT_DEVICE": "TPU"},
+     "PJRT_DEVICE=TPU: this host has no TPU chips (no /dev/accel* or /dev/vfio/N); unset PJRT_DEVICE to "
+     "run on the CPU"),
+    ({"PJRT_DEVICE": "CUDA"}, "PJRT_DEVICE=CUDA: the XLA runtime runs on TPU or CPU here (torch_xla 2.9.0 "
+                              "has no CUDA backend); on a GPU use --runtime.backend native")],
+    ids=["tpu without chips", "cuda"])
+def test_a_pjrt_device_this_host_cannot_reach_is_one_line(tmp_path, env, message):
+    from torchtitan_xla.runtime.xla.process import check_pjrt_device
+
+    with pytest.raises(ConfigError) as e:
+        check_pjrt_device({"TTX_DEV_ROOT": str(tmp_path), **env})
+    assert str(e.value) == message
+    if "TPU_LIBRARY_PATH" in env:  # with a chip nothing is missing
+        check_pjrt_device({"TTX_DEV_ROOT": str(_stand_in_dev(tmp_path, "accel0")), **env})
 
 
 def test_a_gpu_machines_python_is_kept_and_the_xla_runtime_refused_there(tmp_path, monkeypatch):

@@ -5,15 +5,14 @@ maps the XLA default, `replay`, to `compile` (config/checks.py)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, MutableMapping
 
 from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.runtime.host_devices import has_nvidia_gpu, host_accelerator, tpu_chips
 
 STEP_COMPILERS = ("compile", "eager")
 
@@ -23,13 +22,13 @@ def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int
     NPROC_PER_NODE (unless set): one per GPU (torchrun's "gpu") or TPU chip, or on the CPU this
     host's share of the devices the parallel degrees ask for (`cpu_devices` over `hosts`); and
     OMP_NUM_THREADS, the host's cores shared between them (torchrun would give each one)."""
-    chips = len(glob.glob("/dev/accel*")) or len(glob.glob("/dev/vfio/[0-9]*"))
+    chips = len(tpu_chips(env))
     if device == "auto":  # as the processes will choose (they check again, with torch)
-        device = "tpu" if chips else "cuda" if shutil.which("nvidia-smi") else "cpu"
+        device = host_accelerator(env)
     if device == "tpu" and not chips and not env.get("NPROC_PER_NODE"):
         raise ConfigError("[runtime] device = \"tpu\": this host has no TPU chips (/dev/accel*, "
                           "/dev/vfio); set NPROC_PER_NODE if they are elsewhere")
-    if device == "cuda" and not shutil.which("nvidia-smi") and not env.get("NPROC_PER_NODE"):
+    if device == "cuda" and not has_nvidia_gpu(env) and not env.get("NPROC_PER_NODE"):
         # (torchrun's "gpu" count would stop with a traceback.)
         raise ConfigError("[runtime] device = \"cuda\": this host has no NVIDIA GPU (no nvidia-smi); "
                           "set NPROC_PER_NODE if it has one")

@@ -9,6 +9,7 @@ import os
 import torch
 
 from torchtitan_xla.logging import logger
+from torchtitan_xla.runtime.host_devices import host_accelerator
 from torchtitan_xla.runtime.xla.process import installed_torch_xla, version_warning
 
 PROCESS_PER_DEVICE = False  # one process drives every device of its host
@@ -24,6 +25,9 @@ def init_devices(device: str = "auto") -> torch.device:
     warning = version_warning(installed_torch_xla())
     if warning:
         logger.warning(warning)
+    if os.environ.get("PJRT_DEVICE") == "CPU" and host_accelerator() == "cuda":
+        logger.warning("this host has an NVIDIA GPU, which the XLA runtime cannot use (torch_xla 2.9 "
+                       "has no CUDA backend): training on the CPU; --runtime.backend native uses the GPU")
     xr.use_spmd()
     return torch_xla.device()
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 
 from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.runtime.host_devices import tpu_chips
 
 # The torch_xla release this layer's private calls (torch_xla._XLAC) were written and tested for.
 TORCH_XLA_VERSION = "2.9.0"
@@ -50,6 +51,7 @@ def configure(step_compiler: str, env: MutableMapping[str, str] = os.environ) ->
     """
     if step_compiler not in STEP_COMPILERS:
         raise ValueError(f"unknown step compiler {step_compiler!r}")
+    check_pjrt_device(env)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # silence the per-compile GSPMD notice
     env["XLA_DISABLE_FUNCTIONALIZATION"] = "1" if step_compiler == "replay" else "0"
     if env.get("PJRT_DEVICE") == "CPU":
@@ -60,6 +62,36 @@ def configure(step_compiler: str, env: MutableMapping[str, str] = os.environ) ->
             raise ConfigError(f"CPU_NUM_DEVICES={count!r}: expected a positive integer (the number "
                               f"of virtual XLA CPU devices; unset, run_train.sh chooses)")
         env["XLA_FLAGS"] = cpu_xla_flags(env.get("XLA_FLAGS", ""), cpu_features())
+
+
+def libtpu_found(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torch_xla will find libtpu, where it looks (torch_xla/__init__.py): TPU_LIBRARY_PATH,
+    a copy bundled in torch_xla/lib, or the `libtpu` package (torch_xla's `tpu` extra)."""
+    if env.get("TPU_LIBRARY_PATH"):
+        return True
+    spec = importlib.util.find_spec("torch_xla")
+    bundled = spec is not None and os.path.isfile(
+        os.path.join(os.path.dirname(spec.origin), "lib", "libtpu.so"))
+    return bundled or importlib.util.find_spec("libtpu") is not None
+
+
+def check_pjrt_device(env: Mapping[str, str] = os.environ) -> None:
+    """The device PJRT_DEVICE names can be reached: else one line naming what is missing, before
+    torch_xla fails in a traceback (on a TPU VM whose Python lacks libtpu: `libtpu not found`)."""
+    device = env.get("PJRT_DEVICE", "CPU")
+    if device == "CPU":
+        return
+    if device != "TPU":
+        raise ConfigError(f"PJRT_DEVICE={device}: the XLA runtime runs on TPU or CPU here (torch_xla "
+                          f"{TORCH_XLA_VERSION} has no {device} backend); on a GPU use --runtime.backend "
+                          f"native")
+    if not libtpu_found(env):
+        version = (installed_torch_xla() or TORCH_XLA_VERSION).split("+")[0]
+        raise ConfigError(f"PJRT_DEVICE=TPU: this Python has no libtpu, the TPU runtime torch_xla loads; "
+                          f"install it with: {sys.executable} -m pip install 'torch_xla[tpu]=={version}'")
+    if not tpu_chips(env):
+        raise ConfigError("PJRT_DEVICE=TPU: this host has no TPU chips (no /dev/accel* or /dev/vfio/N); "
+                          "unset PJRT_DEVICE to run on the CPU")
 
 
 # ---- the XLA CPU backend ------------------------------------------------------------------------
@@ -133,6 +165,7 @@ def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int
     if importlib.util.find_spec("torch_xla") is None:  # a GPU machine's or torch-tpu's Python
         raise ConfigError(f"[runtime] backend = \"xla\": this Python ({sys.executable}) has no torch_xla; "
                           "with torch-tpu or on a GPU use backend = \"native\"")
+    check_pjrt_device(env)
     pjrt = env.get("PJRT_DEVICE", "CPU")
     out = {"PJRT_DEVICE": pjrt}
     if pjrt == "CPU":
