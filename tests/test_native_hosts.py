@@ -45,7 +45,7 @@ def start_hosts(flags: list[str], hosts: int, folder: Path) -> tuple[list, list[
     plan = planned_hosts(flags, env)
     procs = []
     for variables, command in plan:
-        assert command[1:3] == ["-m", "torch.distributed.run"] and variables["TTX_RUNTIME"] == "native"
+        assert command[1:3] == ["-m", "torchtitan_xla.launch.torchrun"] and variables["TTX_RUNTIME"] == "native"
         command = [str(REPO / "tests" / "native_driver.py") if c.endswith("train.py") else c for c in command]
         command[command.index("--job.dump_folder") + 1] = str(folder)
         procs.append(subprocess.Popen(command, env=dict(env, **variables, NATIVE_OUT=str(folder / "result.json"),

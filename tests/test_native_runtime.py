@@ -11,6 +11,7 @@ results. Across hosts: test_native_hosts.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -19,8 +20,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO, run_train, tiny_args, train_many, train_run
 from native_helpers import EAGER, close, native_jobs
+
+from torchtitan_xla.checkpoint import committed_steps
 
 EXPORT = ["--checkpoint.last_save_in_hf", "true"]  # after the last step, into checkpoint/step-20-hf
 SYNTHETIC = ["--training.dataset", "synthetic", "--training.global_batch_size", "8"]
@@ -56,6 +60,10 @@ QWEN3 = ["--model.name", "qwen3"]  # its debug model: tied embedding, query/key 
 # Its debug model cut to 2 blocks: one dense, one with 16 experts, a shared one and the expert bias.
 DEEPSEEK = ["--model.name", "deepseek_v3"]
 TEN_BLOCKS = {"n_layers": 10}  # more than dynamo's recompile limit (8): the blocks must share graphs
+# At lr 1e3 step 2's loss is in the millions and from step 5 on every gradient norm is NaN.
+DIVERGING = ["--training.local_batch_size", "8", "--optimizer.lr", "1e3", "--checkpoint.enable",
+             "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "3",
+             "--training.max_consecutive_nonfinite", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +148,8 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8",
                         "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
+    jobs["diverging"] = [*EAGER, *DIVERGING, "--parallelism.tensor_parallel_degree", "2"]
+    jobs["diverging, applied"] = [*jobs["diverging"], "--training.no-skip_nonfinite_steps"]
     return native_jobs(tmp_path_factory.mktemp("two"), 2, jobs, model=LAYERS, overrides={"compiled": TEN_BLOCKS})
 
 
@@ -338,6 +348,24 @@ def test_lora_on_fsdp4_tp2_gives_the_xla_runtimes_losses(eight_processes, xla_ei
     close(run["losses"], {s: v for s, v in xla_eight["lora"]["losses"].items() if s > 5}, rtol=1e-5)
 
 
+def test_nonfinite_steps_are_skipped_on_sharded_parameters_and_never_checkpointed(two_processes):
+    """tp=2: the skipped steps 5-10 leave every weight and optimizer tensor (DTensors, half on
+    each process) as step 4 left them; applied, the weights turn NaN and are not saved; the finite
+    steps are the same to the last bit either way. (XLA: test_nonfinite.py.)"""
+    from checkpoint_helpers import all_tensors
+
+    skipped, applied = two_processes["diverging"], two_processes["diverging, applied"]
+    assert all(math.isnan(skipped["grad_norms"][str(s)]) for s in range(5, 11)), skipped["grad_norms"]
+    assert "skipped steps: 6" in skipped["log"]
+    for key in ("losses", "grad_norms"):
+        assert [skipped[key][str(s)] for s in range(1, 5)] == [applied[key][str(s)] for s in range(1, 5)]
+    four, eight = (all_tensors(skipped["folder"] / "checkpoint" / f"step-{s}") for s in (4, 8))
+    assert {k for k in four if not torch.equal(four[k], eight[k])} <= {"train_state.torch_rng",
+                                                                        "train_state.xla_rng"}
+    assert "checkpoint step-8 not written" in applied["log"]
+    assert committed_steps(applied["folder"] / "checkpoint") == [4]
+
+
 @pytest.fixture(scope="module")
 def four_processes_dtensor(tmp_path_factory) -> dict:
     """tests/native_loss_worker.py on fsdp=2 x tp=2 (four processes): its report."""
@@ -490,6 +518,29 @@ def test_bad_native_input_is_one_line_before_any_model_is_built(flags, message, 
     lines = p.stderr.strip().splitlines()
     assert re.search(message, lines[-1]), lines[-1]
     assert not any("Traceback" in line or "Model llama3" in line for line in lines), p.stderr
+
+
+@pytest.mark.parametrize("nproc,flags,message", [
+    ("3", ["--parallelism.tensor_parallel_degree", "3"],
+     "command line: --training.seq_len (64) must be a multiple of tensor_parallel_degree (3): sequence "
+     "parallelism splits the sequence over the TP devices (tensor_parallel_degree from the command line)"),
+    ("2", ["--training.dataset", "json", "--training.dataset_path", "EMPTY"],
+     "command line: --training.dataset_path: EMPTY: no documents for host 0 of 2 (the dataset is empty) "
+     "(dataset from the command line)")], ids=["found by the launcher", "found by the processes"])
+def test_run_train_sh_stops_native_processes_on_bad_input_with_one_line(tmp_path, nproc, flags, message):
+    """What one process per device would each print, and torchrun's page after it: one line, exit
+    2, nothing written. The mesh, batch and model checks run before torchrun starts anything; what
+    only the processes can find (their data) is printed once, by the launcher."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    flags = [str(empty) if f == "EMPTY" else f for f in flags]
+    p = run_train([*tiny_args(tmp_path / "out", "--runtime.backend", "native", *flags)[2:]],
+                  script="run_train.sh", env={"NPROC_PER_NODE": nproc, "CPU_NUM_DEVICES": None})
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert [ln for ln in p.stderr.splitlines() if "rror" in ln] == [
+        "error: " + message.replace("EMPTY", str(empty))]
+    assert "Traceback" not in p.stderr and "[Gloo]" not in p.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_checkpoint_resumes_on_the_other_runtime_as_if_never_interrupted(seed, xla_eight, tmp_path):

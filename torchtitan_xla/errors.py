@@ -2,16 +2,21 @@
 
 - `ConfigError`: bad input (a config key, a file, a launcher variable). Exit code 2, raised as early
   as the mistake can be known, before the run writes anything.
-- `RunError`: something the run writes to failed (a full disk). Exit code 1; what was written
-  before is kept.
+- `RunError`: the run itself failed (a full disk under a checkpoint, a loss that stays NaN). Exit
+  code 1; what was written before is kept.
 
 This module imports nothing heavy: the launcher and config validation use it before torch starts.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+
+# Where a process started by launch/torchrun.py writes its error line (a file named by its RANK),
+# for the launcher to print once instead of every process printing it.
+ERROR_DIR_VAR = "TTX_ERROR_DIR"
 
 
 class ConfigError(ValueError):
@@ -19,8 +24,8 @@ class ConfigError(ValueError):
 
 
 class RunError(RuntimeError):
-    """A failure of what the run writes to (a full disk, a folder it may not write): one line,
-    reported without a traceback and exit code 1."""
+    """A failure of the run, not of its input (a full disk, a folder it may not write, a loss that
+    stays non-finite): one line, reported without a traceback and exit code 1."""
 
 
 def first_line(e: BaseException, *, typed: bool = True, limit: int = 300) -> str:
@@ -34,7 +39,7 @@ def first_line(e: BaseException, *, typed: bool = True, limit: int = 300) -> str
 
 
 def exit_code_of(e: BaseException) -> int | None:
-    """2 for bad input, 1 for a failed write, None for anything else (a bug: keep its traceback)."""
+    """2 for bad input, 1 for a failed run, None for anything else (a bug: keep its traceback)."""
     if isinstance(e, ConfigError):
         return 2
     if isinstance(e, RunError):
@@ -48,5 +53,10 @@ def run_main(main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except (ConfigError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exit_code_of(e)  # type: ignore[return-value]
+        code, line = exit_code_of(e), f"error: {e}"
+        if os.environ.get(ERROR_DIR_VAR):
+            with open(os.path.join(os.environ[ERROR_DIR_VAR], os.environ.get("RANK", "0")), "w") as fh:
+                fh.write(f"{code} {line}")
+        else:
+            print(line, file=sys.stderr)
+        return code  # type: ignore[return-value]

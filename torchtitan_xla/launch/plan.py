@@ -38,6 +38,8 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
             out["HOSTNAMES"] = ",".join(hosts.hostnames)
     if out.get("PJRT_DEVICE") == "TPU":
         out |= tpu_env(hosts, rank, job_config.parallelism.num_slices, env, metadata=metadata)
+    if out.get("TTX_RUNTIME") == "native" and out["NPROC_PER_NODE"].isdigit():
+        check_mesh(job_config, int(out["NPROC_PER_NODE"]) * hosts.count)
     if out.get("TTX_RUNTIME") == "native":  # torchrun's rendezvous: the hosts', or a private one
         out["TTX_RDZV"] = shlex.join(
             ["--nnodes", str(hosts.count), "--node-rank", str(rank), "--master-addr", out["MASTER_ADDR"],
@@ -45,12 +47,30 @@ def host_env(hosts: Hosts, rank: int, job_config: JobConfig, env: Mapping[str, s
     return out
 
 
+def check_mesh(job_config: JobConfig, devices: int) -> None:
+    """The checks of the degrees against the devices, the batch and the model that train.py makes
+    once its processes are up (parallel_dims.py), made before torchrun starts them: where each of
+    one process per device would print the same error, the launcher prints it once. (Imports
+    torch, through the parallelisms package, as torchrun itself does next.)"""
+    from torchtitan_xla.models import get_model_args, models_config, moe_overrides
+    from torchtitan_xla.parallelisms import ParallelDims
+
+    dims = ParallelDims.from_config(job_config.parallelism, devices)
+    t = job_config.training
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
+    dims.check_batch(global_batch, t.local_batch_size, t.seq_len, dims.dp_degree)
+    if job_config.model.flavor in models_config.get(job_config.model.name, {}):  # else read at start
+        args = get_model_args(job_config.model.name, job_config.model.flavor, **moe_overrides(job_config.moe))
+        dims.check_model(args.n_heads, args.kv_heads, args.dim, args.ffn_hidden_dim, args.num_experts,
+                         args.n_layers)
+
+
 def launch_command(command: list[str], variables: Mapping[str, str]) -> list[str]:
     """`command` ([python, train.py, args...]) as run_train.sh runs it with these variables: under
-    torchrun for the native runtime (NPROC_PER_NODE processes, TTX_RDZV's rendezvous)."""
+    torchrun for the native runtime (NPROC_PER_NODE processes, TTX_RDZV's rendezvous; launch/torchrun.py)."""
     if variables.get("TTX_RUNTIME") != "native":
         return command
-    return [command[0], "-m", "torch.distributed.run", *shlex.split(variables["TTX_RDZV"]),
+    return [command[0], "-m", "torchtitan_xla.launch.torchrun", *shlex.split(variables["TTX_RDZV"]),
             "--nproc-per-node", variables["NPROC_PER_NODE"], *command[1:]]
 
 
