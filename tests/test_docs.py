@@ -167,8 +167,8 @@ def test_runtime_md_lists_every_module_of_both_runtimes():
                if p.name != "__init__.py"}
     table = set(re.findall(r"^\| `(\w+\.py)` \|", text, re.M))
     assert table == modules
-    assert {p.name for p in runtime.glob("*.py")} == {"__init__.py", "common.py"}
-    assert "`runtime/common.py`" in text
+    assert {p.name for p in runtime.glob("*.py")} == {"__init__.py", "common.py", "host_devices.py"}
+    assert "`runtime/common.py`" in text and "`runtime/host_devices.py`" in text
 
 
 def test_metrics_md_names_the_batch_axes():
@@ -196,3 +196,39 @@ def test_the_embedded_chat_set_has_the_sizes_the_docs_give():
     assert f"{train + held_out} short question/answer conversations made from the embedded Python docs, " \
            f"{train} for training and {held_out} held out" in datasets_md
     assert f"{train}\nconversations for `train`, {held_out} in `validation`" in (REPO / "docs/finetune.md").read_text()
+
+
+STATUS_WORDS = {"tested on CPU", "measured on GPU", "not verified on TPU", "refused", "not tested", "TPU only"}
+
+
+def _status_rows() -> list[dict[str, str]]:
+    """README's Status table: one dict per row, by column name."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Status"):]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+
+
+def test_the_readme_status_table_says_only_what_holds():
+    """Its cells use the table's own words; every key the native runtime refuses is a row marked
+    refused there, and no other row is; each row names test files that exist, a native runtime
+    tested on CPU among them one that runs the native runtime; nothing claims a TPU run."""
+    from torchtitan_xla.config.checks import _NOT_ON_NATIVE
+
+    rows = _status_rows()
+    assert len(rows) >= 20
+    for row in rows:
+        for runtime in ("XLA runtime", "native runtime"):
+            words = {w.strip() for w in row[runtime].split(",")}
+            assert words <= STATUS_WORDS, (row["feature"], words)
+            assert "refused" not in words or words == {"refused"}, row["feature"]
+        assert "not verified on TPU" in row["XLA runtime"], row["feature"]  # never run on a TPU
+        assert "measured on GPU" not in row["XLA runtime"], row["feature"]  # torch_xla 2.9: no GPU
+        files = re.findall(r"`(test_\w+\.py)`", row["checked in"])
+        assert files and all((REPO / "tests" / f).is_file() for f in files), row
+        if "tested on CPU" in row["native runtime"]:
+            assert any("native" in (REPO / "tests" / f).read_text() for f in files), row["feature"]
+    refused = {key for row in rows if row["native runtime"] == "refused"
+               for key in re.findall(r"`([a-z_]+\.[a-z_]+)", row["switch"])}
+    assert refused == {f"{section}.{key}" for section, key, _, _ in _NOT_ON_NATIVE}
