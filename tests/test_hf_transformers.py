@@ -330,6 +330,21 @@ def test_flavor_hf_takes_the_folders_architecture_with_the_runs_overrides(made):
     assert (got.vocab_size, got.context_len, got.moe_every) == (512, 32768, 2)
 
 
+def test_the_plan_of_a_run_with_flavor_hf_counts_the_folders_parameters(made):
+    """`run_train.sh --plan` reads the folder's architecture as train.py does: its parameters are
+    transformers' model's (the vocabulary the folder's, the embedding not tied)."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+    from torchtitan_xla.plan import memory
+
+    folders, _, _ = made
+    cfg = parse_args(["--model.flavor", "hf", "--checkpoint.initial_load_path", str(folders["llama"]),
+                      "--checkpoint.initial_load_in_hf", "--training.seq_len", "64"])
+    mem = memory.estimate(cfg, ParallelDims.from_config(cfg.parallelism, 1))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(folders["llama"]))
+    assert mem.parameters == 4 * sum(p.numel() for p in theirs.parameters())
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--model.flavor", "hf"], r'^command line: --model.flavor = "hf" takes the architecture of the HuggingFace '
                                r"folder the run starts from: it needs \[checkpoint\] initial_load_path \(that folder\) "

@@ -10,8 +10,8 @@ import sys
 from torchtitan_xla.config import parse_args, where
 from torchtitan_xla.config.checks import native_refusal
 from torchtitan_xla.errors import ConfigError, run_main
-from torchtitan_xla.models import get_model_args, moe_overrides
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
+from torchtitan_xla.plan import memory
 
 GiB = 2**30
 USAGE = ("usage: python -m torchtitan_xla.plan --job.config_file FILE [--plan.tpu SLICE] "
@@ -64,7 +64,7 @@ def report(plan, cfg) -> str:
            + (" (tight: within the memory model's 10%)" if plan.tight else "")
            if plan.fits else f"does not fit by {(m.total - plan.hbm) / GiB:.2f} GiB"),
     ]
-    args = get_model_args(cfg.model.name, cfg.model.flavor, **moe_overrides(cfg.moe))
+    args = memory.model_args(cfg)
     if args.num_experts:
         lines.append("  (mixture of experts: the dispatch tensors and the experts' slots counted from their "
                      "shapes, not fitted: 0.86-1.21 of the compiler's on the CPU debug models, docs/plan.md)")

@@ -139,23 +139,33 @@ def shard_shape(shape: tuple[int, ...], spec: tuple, axis_sizes: dict[str, int])
     return tuple(out)
 
 
+def model_args(job_config: JobConfig, vocab_size: int | None = None, **overrides):
+    """The run's model args as train.py makes them, without reading the tokenizer: its flavor's,
+    or with HF initial weights their folder's (`[model] flavor = "hf"` included)."""
+    from torchtitan_xla.datasets.tokenizer.train_bpe import DEFAULT_VOCAB_SIZE
+    from torchtitan_xla.models import get_model_args, moe_overrides
+    from torchtitan_xla.models.llama.hf_args import match_initial_hf_weights
+
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if vocab_size is None:  # the tokenizer's, without reading it: the project's own, or Meta's
+        vocab_size = (DEFAULT_VOCAB_SIZE + 256 if not job_config.model.tokenizer_path
+                      else DEFAULT_VOCAB[name])
+    args = get_model_args(name, flavor, **{
+        "vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len,
+        **moe_overrides(job_config.moe), **overrides})
+    return match_initial_hf_weights(job_config.checkpoint, args, f"{name} {flavor}")
+
+
 def build_meta_model(job_config: JobConfig, vocab_size: int | None = None, **overrides):
     """(model args, the model on the meta device, with its LoRA adapters if any)."""
     import torch
 
-    from torchtitan_xla.datasets.tokenizer.train_bpe import DEFAULT_VOCAB_SIZE
     from torchtitan_xla.lora import apply_lora
-    from torchtitan_xla.models import get_model_args, get_model_class, moe_overrides
+    from torchtitan_xla.models import get_model_class
 
-    name = job_config.model.name
-    if vocab_size is None:  # the tokenizer's, without reading it: the project's own, or Meta's
-        vocab_size = (DEFAULT_VOCAB_SIZE + 256 if not job_config.model.tokenizer_path
-                      else DEFAULT_VOCAB[name])
-    args = get_model_args(name, job_config.model.flavor, **{
-        "vocab_size": vocab_size, "max_seq_len": job_config.training.seq_len,
-        **moe_overrides(job_config.moe), **overrides})
+    args = model_args(job_config, vocab_size, **overrides)
     with torch.device("meta"):
-        model = get_model_class(name)(args)
+        model = get_model_class(job_config.model.name)(args)
     apply_lora(model, job_config.lora)
     return args, model
 
