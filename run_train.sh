@@ -71,7 +71,7 @@ if [[ "${TTX_RUNTIME:-xla}" == native ]]; then
   # its rank), with the hosts' rendezvous or, on one host, a private one (TTX_RDZV); an error
   # the processes stop on is printed once (launch/torchrun.py).
   read -r -a RDZV <<< "$TTX_RDZV"
-  exec "$PY" -m torchtitan_xla.launch.torchrun "${RDZV[@]}" --nproc-per-node "$NPROC_PER_NODE" \
+  TTX_ERROR_DIR="$(mktemp -d)" LOGLEVEL="${LOGLEVEL:-CRITICAL}" exec "$PY" -m torchtitan_xla.launch.torchrun "${RDZV[@]}" --nproc-per-node "$NPROC_PER_NODE" \
     "$REPO/train.py" "${ARGS[@]}"
 fi
 exec "$PY" "$REPO/train.py" "${ARGS[@]}"

@@ -36,7 +36,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     import torch
 
-    from torchtitan_xla.checkpoint import CheckpointManager, Preemption, TrainState, check_initial_load_path
+    from torchtitan_xla.checkpoint import (
+        CheckpointManager,
+        Preemption,
+        TrainState,
+        check_initial_load_path,
+        load_initial_weights,
+    )
     from torchtitan_xla.checkpoint.hf import match_initial_hf_weights
     from torchtitan_xla.datasets import build_data_loader, build_tokenizer, check_vocab_size
     from torchtitan_xla.errors import ConfigError
@@ -176,7 +182,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         logger.info("Seed checkpoint written; exiting")
         return []
     if not checkpoint.load() and job_config.checkpoint.initial_load_path:
-        checkpoint.load_initial_weights(mesh)
+        load_initial_weights(job_config.checkpoint, model, model_args, mesh, process_group)
 
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
     loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype)

@@ -30,12 +30,11 @@ from typing import Any
 import torch
 
 from torchtitan_xla import runtime, storage
-from torchtitan_xla.checkpoint import commit, torchtitan
+from torchtitan_xla.checkpoint import commit
 from torchtitan_xla.checkpoint.commit import LORA_FILE, MODEL_ARGS_FILE, DamagedCheckpoint
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError, RunError, first_line
 from torchtitan_xla.logging import logger
-from torchtitan_xla.lora import is_adapter
 
 
 @dataclass
@@ -65,7 +64,7 @@ def _saved_metadata(path: str) -> dict[str, Any]:
         raise DamagedCheckpoint(f"metadata unreadable: {type(e).__name__}") from None
 
 
-def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
+def dcp_load(states: dict[str, Any], path: str, process_group) -> None:
     """Load `path` in place into the (sharded) tensors of `states`, which must be materialised
     (`runtime.materialise()`, outside the caller's try: a device error is not a damaged file)."""
     import torch.distributed.checkpoint as dcp
@@ -74,20 +73,6 @@ def _dcp_load(states: dict[str, Any], path: str, process_group) -> None:
     with torch.no_grad():
         dcp.load(states, storage_reader=commit.reader(path),
                  planner=runtime.checkpointing.load_planner(), process_group=process_group)
-
-
-def check_initial_load_path(cfg) -> None:
-    """`[checkpoint] initial_load_path` (of the [checkpoint] section `cfg`), at start: also when
-    the run resumes from its own checkpoint and will not read it, where a typo would otherwise
-    surface only at the next fresh start."""
-    path = cfg.initial_load_path
-    if not path:
-        return
-    if cfg.initial_load_in_hf and storage.is_url(path):
-        raise ConfigError(f"[checkpoint] initial_load_path: {path}: HuggingFace weights are read "
-                          f"from a local folder; copy them to one first")
-    if not storage.isdir(path):
-        raise ConfigError(f"[checkpoint] initial_load_path: not a folder: {path}")
 
 
 class CheckpointManager:
@@ -356,7 +341,7 @@ class CheckpointManager:
         # asynchronously): torch_xla's load planner needs their data.
         runtime.materialise()
         try:
-            _dcp_load(states, path, self.process_group)
+            dcp_load(states, path, self.process_group)
         except (Exception, CheckpointException) as e:  # a truncated or garbled file, in many ways
             raise DamagedCheckpoint(commit.dcp_failure(e)) from None
         self.model.load_state_dict(states["model"])
@@ -380,38 +365,3 @@ class CheckpointManager:
             self.train_state.step = record["step"]
         if loader_key in states:
             self.data_loader.load_state_dict(pickle.loads(states[loader_key]))
-
-    def load_initial_weights(self, mesh) -> None:
-        """Fine-tuning start: weights from `initial_load_path` (HF folder, or a checkpoint step of this
-        project or of torchtitan: checkpoint/torchtitan.py)."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from torchtitan_xla.checkpoint.hf import load_hf_into_model
-
-        path = self.cfg.initial_load_path
-        titan = None
-        if self.cfg.initial_load_in_hf:
-            load_hf_into_model(self.model, self.model_args, path, mesh)
-        else:
-            if commit.read_lora_settings(path) is not None:
-                raise ConfigError(f"[checkpoint] initial_load_path: {path} holds LoRA adapters; start "
-                                  f"from its merged weights instead (scripts/convert_to_hf.py, then "
-                                  f"initial_load_in_hf = true), or resume it as a checkpoint")
-            # LoRA adapters keep their initial values: the base checkpoint has none.
-            base = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not is_adapter(k)}
-            # torchtitan's step folder: its key of each tensor (None: a checkpoint of this project).
-            titan = torchtitan.model_keys(path, {k: tuple(v.shape) for k, v in base.items()})
-            runtime.materialise()  # as in _load: a device error is not a damaged checkpoint
-            try:
-                if titan is None:
-                    commit.verify(path)
-                states = {"model": base} if titan is None else {titan[k]: v for k, v in base.items()}
-                _dcp_load(states, path, self.process_group)
-            except (Exception, CheckpointException) as e:
-                reason = e if isinstance(e, DamagedCheckpoint) else commit.dcp_failure(e)
-                raise ConfigError(
-                    f"[checkpoint] initial_load_path: {path} is not a usable checkpoint: {reason}") from None
-            loaded = states["model"] if titan is None else {k: states[key] for k, key in titan.items()}
-            self.model.load_state_dict(loaded, strict=False)
-        kind = " (HuggingFace)" if self.cfg.initial_load_in_hf else " (torchtitan)" if titan else ""
-        logger.info(f"Initial weights loaded from {path}{kind}")

@@ -2,20 +2,8 @@
 
 import dataclasses
 
-from torchtitan_xla.models.llama.args import (
-    ModelArgs,
-    deepseek_v2_configs,
-    deepseek_v3_configs,
-    llama2_configs,
-    llama3_configs,
-    mixtral_configs,
-    qwen3_configs,
-)
+from torchtitan_xla.models.llama.args import ModelArgs, models_config
 from torchtitan_xla.models.llama.hf_args import HF_FLAVOR, HFFlavorArgs
-
-models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
-                 "qwen3": qwen3_configs, "deepseek_v2": deepseek_v2_configs,
-                 "deepseek_v3": deepseek_v3_configs}
 
 
 def all_flavors() -> dict[str, list[str]]:

@@ -295,3 +295,9 @@ deepseek_v2_configs = {
     "236B": _deepseek(5120, 60, 128, 12288, experts=160, expert_ffn=1536, top_k=6, groups=8, topk_groups=3,
                       shared=2, dense=1, scaling=16.0, q_lora=1536, context=163840, yarn=_V2_YARN, v2=True),
 }
+
+
+# The registry: `[model] name` -> its flavors.
+models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
+                 "qwen3": qwen3_configs, "deepseek_v2": deepseek_v2_configs,
+                 "deepseek_v3": deepseek_v3_configs}

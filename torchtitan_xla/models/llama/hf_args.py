@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torchtitan_xla import storage
 from torchtitan_xla.errors import ConfigError
-from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn
+from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn, models_config
 
 # [model] flavor = "hf": the architecture of the HuggingFace folder the run starts from.
 HF_FLAVOR = "hf"
@@ -301,8 +301,6 @@ def match_initial_hf_weights(cfg, args: ModelArgs, model: str) -> ModelArgs:
     architecture is one line, naming the flavor the folder holds if it is one of ours, else flavor
     "hf". With flavor "hf" (`args` an HFFlavorArgs) the run's args are the folder's, with the run's
     overrides (max_seq_len, [moe] capacity and loss weight) applied."""
-    from torchtitan_xla.models import models_config
-
     if isinstance(args, HFFlavorArgs):
         theirs = hf_folder_args(args.family, cfg)
         overrides = {k: v for k, v in args.overrides.items() if k != "vocab_size"}
