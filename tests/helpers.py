@@ -215,13 +215,22 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+# How long a process of several runs may take before it counts as hung: not a test of speed. Alone
+# on two cores a debug-model run takes 10-40 s; with the other test worker and other processes on
+# the same cores several times that (the pipeline tests' 14 runs once took over 900 s).
+HANG_LIMIT_S, HANG_LIMIT_PER_RUN_S = 600, 300
+
+
 def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dict | None = None,
-               timeout: int = 900, xla_dump: Path | None = None) -> dict:
+               timeout: int | None = None, xla_dump: Path | None = None) -> dict:
     """Several train.main runs in one fresh process with `devices` devices (saves start-up time).
     For each: logged losses, compiles during the run, and for every parameter its partition spec,
     the sharding XLA reports for it and for its optimizer state of its shape (exp_avg, ...), and
     the sharding a fresh tensor with that partition spec gets; DeepSeek's expert biases after the run. With `xla_dump`, XLA dumps every
-    compiled module there and each run lists its optimized HLO files ("hlo")."""
+    compiled module there and each run lists its optimized HLO files ("hlo"). `timeout`: by default
+    a limit that only a hung process reaches (HANG_LIMIT_S + HANG_LIMIT_PER_RUN_S per run)."""
+    if timeout is None:
+        timeout = HANG_LIMIT_S + HANG_LIMIT_PER_RUN_S * len(runs)
     env = None
     if xla_dump:
         from torchtitan_xla.runtime.xla.compiled import dump_flags
