@@ -83,7 +83,9 @@ def test_an_avx2_cap_compiles_no_avx512_instruction_and_sums_in_8_lanes(tmp_path
 
 
 @pytest.mark.parametrize("device", ["CPU", "TPU"])
-def test_configure_sets_the_cpu_flags_on_the_cpu_backend_only(device):
+def test_configure_sets_the_cpu_flags_on_the_cpu_backend_only(device, monkeypatch):
+    # As on a TPU host (configure first checks that libtpu and the chips are there).
+    monkeypatch.setattr("torchtitan_xla.runtime.xla.process.check_pjrt_device", lambda env: None)
     env = {"PJRT_DEVICE": device, "XLA_FLAGS": "--xla_dump_to=/d"}
     process.configure("replay", env)
     expected = cpu_xla_flags("--xla_dump_to=/d", process.cpu_features()) if device == "CPU" else "--xla_dump_to=/d"
