@@ -166,6 +166,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     optimizer = build_optimizer(model, job_config)
     lr_scheduler = build_lr_scheduler(optimizer, job_config)
+    # A step with a non-finite loss or gradient norm leaves everything its update writes as it was
+    # (and no checkpoint is saved of weights that are not finite). Its counters, like the
+    # optimizer's state, are made by the initialisation's graph, as the step's outputs are.
+    nonfinite = NonFiniteGuard(device, skip=training.skip_nonfinite_steps,
+                               max_in_a_row=training.max_consecutive_nonfinite)
     runtime.sync()
 
     # Checkpoints: resume from the newest usable one; otherwise start from initial weights if given.
@@ -174,7 +179,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         job_config, model=model, model_args=model_args, optimizer=optimizer,
         lr_scheduler=lr_scheduler, data_loader=data_loader, train_state=train_state,
         host_rank=host_rank, host_count=host_count, process_group=process_group,
-        data_rank=data_rank, data_count=data_count)
+        data_rank=data_rank, data_count=data_count, nonfinite=nonfinite)
     if job_config.checkpoint.create_seed_checkpoint:
         checkpoint.save(0, model_only=True)
         if process_group is not None:
@@ -240,9 +245,6 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                          job_config.moe.z_loss_weight, accumulation_steps)
     # DeepSeek-V3's routers balance by a bias, moved after each step by that step's expert load.
     biased_blocks = [m for m in moe_blocks if m.expert_bias is not None]
-    # A step with a non-finite loss or gradient norm leaves everything its update writes as it was.
-    nonfinite = NonFiniteGuard(device, skip=training.skip_nonfinite_steps,
-                               max_in_a_row=training.max_consecutive_nonfinite)
     updated = [*trainable, *optimizer_state_tensors(optimizer), *(m.expert_bias for m in biased_blocks)]
 
     def update(lrs: torch.Tensor, expert_counts: list[torch.Tensor]) -> None:

@@ -24,6 +24,15 @@ import pytest  # noqa: E402
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
+def pytest_report_header(config):
+    """The CPU this run's numbers come from (CI's log then says which kind it ran on)."""
+    from torchtitan_xla.runtime.xla.process import cpu_features, cpu_model, vector_features
+
+    pins = {k: os.environ[k] for k in ("XLA_FLAGS", "ATEN_CPU_CAPABILITY") if os.environ.get(k)}
+    return (f"cpu: {cpu_model()} ({vector_features(cpu_features())}; {os.cpu_count()} cores)"
+            + (f"; pins: {pins}" if pins else ""))
+
+
 @pytest.fixture(scope="session")
 def xla_device():
     import torch_xla

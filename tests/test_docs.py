@@ -205,7 +205,8 @@ def _status_rows() -> list[dict[str, str]]:
     """README's Status table: one dict per row, by column name."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Status"):]
-    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    table = section[section.index("\n|"):].split("\n\n")[0]  # the section's first table
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
 

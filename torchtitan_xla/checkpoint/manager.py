@@ -25,7 +25,7 @@ import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from torchtitan_xla.checkpoint.commit import LORA_FILE, MODEL_ARGS_FILE, Damaged
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError, RunError, first_line
 from torchtitan_xla.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan_xla.optimizer.nonfinite import NonFiniteGuard
 
 
 @dataclass
@@ -79,7 +82,7 @@ class CheckpointManager:
     def __init__(self, job_config: JobConfig, *, model: torch.nn.Module, model_args, optimizer,
                  lr_scheduler, data_loader, train_state: TrainState, host_rank: int = 0,
                  host_count: int = 1, process_group=None, data_rank: int | None = None,
-                 data_count: int | None = None):
+                 data_count: int | None = None, nonfinite: NonFiniteGuard | None = None):
         self.cfg = job_config.checkpoint
         self.model_args = model_args
         # The [lora] settings, saved beside the weights: exports merge or rename the adapters.
@@ -95,6 +98,7 @@ class CheckpointManager:
         self.data_rank = host_rank if data_rank is None else data_rank
         self.data_count = host_count if data_count is None else data_count
         self.process_group = process_group
+        self.nonfinite = nonfinite
         self._executor = ThreadPoolExecutor(max_workers=1) if self.cfg.async_mode == "async" else None
         # Writes use their own process group: an async write's collectives run in a background
         # thread and must not interleave with the loop's (the per-step preemption agreement).
@@ -181,7 +185,11 @@ class CheckpointManager:
 
     def _weights_finite(self, what: str) -> bool:
         """Whether every weight is finite; if not, `what` is not written (and said so): a
-        checkpoint of NaN weights would be the newest, and keep_latest_k would delete good ones."""
+        checkpoint of NaN weights would be the newest, and keep_latest_k would delete good ones.
+        Counted (a graph of its own) only once a step was not finite: until then every update was
+        of a finite loss and gradient, and the weights are as finite as those loaded."""
+        if self.nonfinite is not None and not self.nonfinite.seen():
+            return True
         counts = [(~p.detach().isfinite()).sum() for p in self.model.parameters()]
         bad = int(torch.stack(runtime.whole(counts)).sum().item())
         if bad:

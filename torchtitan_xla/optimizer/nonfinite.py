@@ -33,6 +33,10 @@ class NonFiniteGuard:
         """What the step reads and writes besides the model and the optimizer (for the replay)."""
         return [self.count, self.in_a_row]
 
+    def seen(self) -> bool:
+        """Whether any step since the launch was not finite (a host read of the last step's counter)."""
+        return bool(self.count.item())
+
     @torch.no_grad()
     def update(self, finite: torch.Tensor, written: Sequence[torch.Tensor], update: Callable[[], None]):
         """Run `update()`, which writes the tensors `written` in place; where `finite` (a boolean

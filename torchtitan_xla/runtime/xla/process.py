@@ -165,7 +165,6 @@ def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int
     if importlib.util.find_spec("torch_xla") is None:  # a GPU machine's or torch-tpu's Python
         raise ConfigError(f"[runtime] backend = \"xla\": this Python ({sys.executable}) has no torch_xla; "
                           "with torch-tpu or on a GPU use backend = \"native\"")
-    check_pjrt_device(env)
     pjrt = env.get("PJRT_DEVICE", "CPU")
     out = {"PJRT_DEVICE": pjrt}
     if pjrt == "CPU":
