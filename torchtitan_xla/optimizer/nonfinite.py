@@ -17,8 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchtitan_xla.errors import RunError
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own block (the selection is elementwise, `finite` the same on every process):
+    three plain ops per tensor instead of three DTensor dispatches, which cost an eager step on
+    the native runtime a fifth more."""
+    t = t.detach()
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class NonFiniteGuard:
@@ -42,9 +51,11 @@ class NonFiniteGuard:
         """Run `update()`, which writes the tensors `written` in place; where `finite` (a boolean
         device scalar) is false, they keep their values from before it. The counters count the
         step as non-finite either way (with `skip` off the update is applied as computed)."""
-        before = [t.detach().clone() for t in written] if self.skip else []
+        finite = _local(finite)
+        before = [_local(t).clone() for t in written] if self.skip else []
         update()
         for t, old in zip(written, before):
+            t = _local(t)
             t.copy_(torch.where(finite, t, old))
         bad = (~finite).float()
         self.count.add_(bad)
