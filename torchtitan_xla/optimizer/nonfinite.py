@@ -25,9 +25,9 @@ from torchtitan_xla.errors import RunError
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's own block (the selection is elementwise, `finite` the same on every process):
     three plain ops per tensor instead of three DTensor dispatches, which cost an eager step on
-    the native runtime a fifth more."""
-    t = t.detach()
-    return t.to_local() if isinstance(t, DTensor) else t
+    the native runtime a fifth more. A plain tensor is itself: a detached alias of an XLA tensor
+    traced differently in the replayed step (a third compile)."""
+    return t.detach().to_local() if isinstance(t, DTensor) else t
 
 
 class NonFiniteGuard:
