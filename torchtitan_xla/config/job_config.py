@@ -233,6 +233,30 @@ class Eval:
 
 
 @dataclass
+class Generate:
+    checkpoint: str = opt(
+        "", "python -m torchtitan_xla.generate: the weights, a checkpoint step folder or a "
+        "HuggingFace folder; empty: the newest checkpoint in [checkpoint] folder.")
+    prompts: str = opt(
+        "", "JSON lines, each {\"prompt\": text} or {\"messages\": [...]} (the chat template "
+        "applied, ending with the assistant's header).")
+    prompt: str = opt("", "One prompt, instead of a prompts file.")
+    output: str = opt(
+        "", "JSON lines: each input line with its \"completion\" (and \"finish\": eos, stop or "
+        "length); empty: <dump_folder>/generations.jsonl.")
+    max_new_tokens: int = opt(
+        128, "Tokens generated at most per prompt; the padded prompt and these must fit "
+        "[training] seq_len, the KV cache's size.", gt=0)
+    temperature: float = opt(0.0, "0: greedy; else sample from softmax(logits / temperature).", ge=0)
+    top_k: int = opt(0, "Sample among the k most likely tokens (0: all).", ge=0)
+    top_p: float = opt(1.0, "Sample among the most likely tokens whose probability reaches top_p.",
+                       gt=0, le=1)
+    seed: int = opt(0, "Seed of the sampling (the same seed repeats the same completions).")
+    stop: list[str] = opt([], "Stop strings: a completion ends before the first it contains.")
+    batch_size: int = opt(8, "Prompts generated together (a multiple of the data-parallel degree).", gt=0)
+
+
+@dataclass
 class Float8:
     enable_float8_linear: bool = opt(
         False, "Run the Linear layers' matmuls as float8 x float8 -> float32 dots (forward: e4m3 "
@@ -309,6 +333,7 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
+    generate: Generate = field(default_factory=Generate)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

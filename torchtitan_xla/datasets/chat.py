@@ -56,9 +56,10 @@ Message = dict[str, str]
 # --------------------------------------------------------------------------------------------
 
 
-def parse_conversation(record: object) -> list[Message]:
-    """A JSON record (already decoded) -> its messages as [{"role", "content"}, ...]. Raises a
-    ConfigError saying what is wrong (the reader adds the file and line)."""
+def parse_conversation(record: object, final: str = "assistant") -> list[Message]:
+    """A JSON record (already decoded) -> its messages as [{"role", "content"}, ...], the last
+    one `final`'s (a prompt to generate from ends with the user's). Raises a ConfigError saying
+    what is wrong (the reader adds the file and line)."""
     if isinstance(record, dict) and "messages" in record:
         raw = record["messages"]
         if not isinstance(raw, list):
@@ -81,16 +82,16 @@ def parse_conversation(record: object) -> list[Message]:
         found = ", ".join(record) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(f"not a conversation: expected a 'messages' list, or 'prompt' and "
                           f"'completion' strings (found: {found or 'an empty object'})")
-    _check_turns(messages)
+    _check_turns(messages, final)
     return messages
 
 
-def _check_turns(messages: list[Message]) -> None:
+def _check_turns(messages: list[Message], final: str) -> None:
     roles = [m["role"] for m in messages]
     for k, role in enumerate(roles, 1):
         if role not in ROLES:
             raise ConfigError(f"message {k}: unknown role {role!r} (expected {', '.join(ROLES)})")
-    if "assistant" not in roles:
+    if final == "assistant" and "assistant" not in roles:
         raise ConfigError("no assistant turn: nothing to train on")
     first = 1 if roles[0] == "system" else 0
     for k, role in enumerate(roles[first:], first):
@@ -98,8 +99,9 @@ def _check_turns(messages: list[Message]) -> None:
         if role != expected:
             raise ConfigError(f"message {k + 1}: role {role!r} where {expected!r} was expected "
                               f"({SHAPE})")
-    if roles[-1] != "assistant":
-        raise ConfigError(f"the last message is the user's ({SHAPE})")
+    if roles[-1] != final:
+        raise ConfigError(f"the last message is the user's ({SHAPE})" if final == "assistant" else
+                          f"the last message is the {roles[-1]}'s: a prompt ends with the user's turn")
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,3 +180,29 @@ def _render_llama2(messages: list[Message], tokenizer) -> tuple[list[int], list[
         ids += pair
         trained += [False] * common + [True] * (len(pair) - common)
     return ids, trained
+
+
+def generation_prompt(messages: list[Message], tokenizer: Tokenizer) -> list[int]:
+    """The ids of a conversation that ends with the user's turn, then the assistant's header: what
+    the model continues (transformers' `add_generation_prompt=True`)."""
+    fmt = chat_format(tokenizer)
+    if fmt == "llama2":
+        if messages[0]["role"] == "system":
+            messages = [{"role": "user", "content": B_SYS + messages[0]["content"] + E_SYS
+                         + messages[1]["content"]}, *messages[2:]]
+        before = render(messages[:-1], tokenizer)[0] if len(messages) > 1 else []
+        question = f"{B_INST} {messages[-1]['content'].strip()} {E_INST}"
+        return before + tokenizer.encode(question, bos=True, eos=False)
+    special, role = tokenizer.special_tokens, tokenizer.encode("assistant", bos=False, eos=False)
+    if fmt == "llama3":
+        header = [special["<|start_header_id|>"], *role, special["<|end_header_id|>"],
+                  *tokenizer.encode("\n\n", bos=False, eos=False)]
+    else:
+        header = [special["<|im_start|>"], *role, *tokenizer.encode("\n", bos=False, eos=False)]
+    return render(messages, tokenizer)[0] + header
+
+
+def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids that end an assistant's turn in the tokenizer's chat format, besides EOS."""
+    special = getattr(tokenizer, "special_tokens", None) or {}
+    return [special[t] for t in ("<|eot_id|>", "<|im_end|>") if t in special]

@@ -129,16 +129,24 @@ class ScaledDotProductAttention(nn.Module):
         # every head onto every device. einsum keeps them apart. Grouped-query attention as groups
         # of query heads [kv heads, heads per kv head] against their kv head, never a repeated
         # copy (with context parallelism the keys' gradient is then summed at the kv heads' width).
-        b, h, s, d = q.shape
-        q = q.view(b, k.shape[1], h // k.shape[1], s, d)
-        scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5
         if positions is None:
-            seq = torch.arange(s, device=q.device)
+            seq = torch.arange(q.shape[2], device=q.device)
             mask = attention_mask(seq, seq, None)
         else:
-            mask = position_mask(document_ids, positions)[:, None]  # [batch, 1, 1, q, k]
-        probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
-        return torch.einsum("bgrqk,bgkd->bgrqd", probs, v).reshape(b, h, s, v.shape[-1])
+            mask = position_mask(document_ids, positions)  # [batch, 1, q, k]
+        return masked_attention(q, k, v, mask)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim) where `mask`) v: queries [batch, heads, q, head_dim], keys and
+    values [batch, kv_heads, k, head_dim], `mask` [q, k] or [batch, 1, q, k] (True: seen)."""
+    b, h, s, d = q.shape
+    q = q.view(b, k.shape[1], h // k.shape[1], s, d)
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5
+    if mask.dim() == 4:
+        mask = mask[:, None]  # [batch, 1, 1, q, k]
+    probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
+    return torch.einsum("bgrqk,bgkd->bgrqd", probs, v).reshape(b, h, s, v.shape[-1])
 
 
 class FeedForward(nn.Module):

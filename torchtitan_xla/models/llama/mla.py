@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from torchtitan_xla.models.llama.args import ModelArgs
-from torchtitan_xla.models.llama.layers import RMSNorm, ScaledDotProductAttention, apply_rope
+from torchtitan_xla.models.llama.layers import (
+    RMSNorm,
+    ScaledDotProductAttention,
+    apply_rope,
+    masked_attention,
+)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -44,7 +49,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.query_scale = args.yarn.mscale_of(args.yarn.mscale_all_dim) ** 2 if args.yarn else 1.0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                *mask: torch.Tensor) -> torch.Tensor:
+                *mask: torch.Tensor, cache=None) -> torch.Tensor:
+        """As Attention.forward; the `cache` holds each token's normalised latent and rotated key
+        part (what an inference cache of this attention keeps), expanded at every call."""
         # Parts by slicing, not split(sizes): torch_xla 2.9 without functionalization (the replayed
         # step's mode) returns wrong values from split with a list of sizes (tests/test_deepseek_training.py).
         bsz, seqlen, _ = x.shape
@@ -56,11 +63,14 @@ class MultiHeadLatentAttention(nn.Module):
         kv_a = self.wkv_a(x)
         # [batch, seq, 1, rope]: one rotated key part for all heads
         k_rope = apply_rope(kv_a[..., self.kv_lora_rank:].unsqueeze(2), cos, sin)
-        kv = self.wkv_b(self.kv_norm(kv_a[..., :self.kv_lora_rank]))
-        kv = kv.view(bsz, seqlen, self.n_heads, self.nope_dim + self.v_dim)
+        latent = self.kv_norm(kv_a[..., :self.kv_lora_rank])
+        if cache is not None:
+            latent, k_rope = cache.update(latent, k_rope)
+        kv = self.wkv_b(latent).view(bsz, latent.shape[1], self.n_heads, self.nope_dim + self.v_dim)
         k = torch.cat([kv[..., :self.nope_dim], k_rope.expand(-1, -1, self.n_heads, -1)], -1)
         v = kv[..., self.nope_dim:]
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.sdpa(q, k, v, *mask) if cache is None else masked_attention(q, k, v, cache.mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -29,6 +29,7 @@ from torchtitan_xla.models.llama.layers import (
     RMSNorm,
     ScaledDotProductAttention,
     apply_rope,
+    masked_attention,
     rope_tables,
 )
 from torchtitan_xla.models.llama.mla import MultiHeadLatentAttention
@@ -51,9 +52,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                *mask: torch.Tensor) -> torch.Tensor:
+                *mask: torch.Tensor, cache=None) -> torch.Tensor:
         """`mask`: (document_ids, positions) [batch, seq] each, or nothing for plain causal
-        attention in index order."""
+        attention in index order. `cache` (generation): this layer's KV cache, which stores the
+        new keys and values and gives back all of them with their mask."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -61,9 +63,12 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads (the
         # attention module repeats them).
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.sdpa(q, k, v, *mask) if cache is None else masked_attention(q, k, v, cache.mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -93,8 +98,8 @@ class TransformerBlock(nn.Module):
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                *mask: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, *mask)
+                *mask: torch.Tensor, cache=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, *mask, cache=cache)
         if mask and isinstance(self.feed_forward, MoE):
             # Padding (document 0) is routed nowhere: it takes no expert slot and no share of
             # the router losses.
@@ -130,11 +135,12 @@ class Layers(nn.ModuleDict):
     """The transformer blocks, keyed "0".."n-1" (names stay stable whatever wraps the blocks)."""
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                *mask: torch.Tensor) -> torch.Tensor:
+                *mask: torch.Tensor, cache=None) -> torch.Tensor:
         """`mask`: (document_ids, positions), or nothing (causal in index order). Passed on as
-        positional arguments only when given: wrappers (checkpointing, scan) see plain tensors."""
-        for layer in self.values():
-            h = layer(h, cos, sin, *mask)
+        positional arguments only when given: wrappers (checkpointing, scan) see plain tensors.
+        `cache`: a KV cache (generation), indexed by layer."""
+        for i, layer in enumerate(self.values()):
+            h = layer(h, cos, sin, *mask) if cache is None else layer(h, cos, sin, *mask, cache=cache[i])
         return h
 
 
@@ -155,16 +161,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.float(), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]. Several documents packed in
         one sequence: `positions` [batch, seq] (restarting at each document) and `document_ids`
         [batch, seq] (attention stays within a document). The mask is then computed from the
         positions, not the order of the tokens, so a sequence may arrive reordered (context
-        parallelism's load balancing)."""
-        return self.output(self.hidden_states(tokens, positions, document_ids))
+        parallelism's load balancing). `cache` (generation, torchtitan_xla/generate): the keys
+        and values of the tokens before these, which attend to them as well; positions given."""
+        return self.output(self.hidden_states(tokens, positions, document_ids, cache))
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """As forward, up to the final normalised hidden states [batch, seq, dim], what the output
         layer projects (a chunked loss projects them itself: torchtitan_xla/losses.py)."""
         if positions is None:
@@ -178,8 +185,9 @@ class Transformer(nn.Module):
         if (positions is None) != (document_ids is None):
             raise ValueError("positions and document_ids are given together, or neither")
         mask = () if document_ids is None else (document_ids, positions)
-        h = self.layers(self.tok_embeddings(tokens), cos, sin, *mask)
-        return self.norm(h)
+        # `cache` only when given: scan replaces the layers with a module that takes none.
+        extra = {} if cache is None else {"cache": cache}
+        return self.norm(self.layers(self.tok_embeddings(tokens), cos, sin, *mask, **extra))
 
     @torch.no_grad()
     def init_weights(self) -> None:

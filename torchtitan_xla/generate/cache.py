@@ -1,0 +1,70 @@
+"""The KV cache of generation: fixed-size buffers beside the model (never its parameters), one per
+layer, written in place at the slots of each call's tokens.
+
+Every row of a batch shares the slots (prompts are left-padded to one length), so a decode step
+writes one slot, given as a device tensor: the position is data and one compiled decode graph
+serves every step. Each slot also keeps its token's position in its row and its document (1: the
+row's text, 0: padding), from which the mask of each call is made as packing's is (layers.py:
+`position_mask`): a query sees the keys of its document at or before its position. Slots not yet
+written hold a position no query reaches. Padding sees only padding, so its rows stay finite.
+
+What a layer keeps is its attention's business: Llama's keys and values [batch, size, kv_heads,
+head_dim]; latent attention (mla.py) its normalised latent and rotated key part, expanded at each
+call. The buffers take the dtype and device of the first values written.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+UNWRITTEN = 1 << 30  # the position of a slot not yet written: after every query's
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own block, which shares its storage (DTensor has no rule for index_copy_; the
+    slots' dimension is never sharded, so each block is written where it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LayerCache:
+    def __init__(self, cache: KVCache):
+        self._cache, self.buffers = cache, None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._cache.mask
+
+    def update(self, *new: torch.Tensor) -> list[torch.Tensor]:
+        """Store `new` [batch, tokens, ...] at this call's slots; every slot's values, [batch, size, ...]."""
+        cache = self._cache
+        if self.buffers is None:
+            # new_zeros: a DTensor's buffer is a DTensor laid out as it (native runtime)
+            self.buffers = [t.new_zeros(cache.batch, cache.size, *t.shape[2:]) for t in new]
+        for buffer, t in zip(self.buffers, new):
+            _local(buffer).index_copy_(1, cache.slots, _local(t).to(buffer.dtype))
+        return self.buffers
+
+
+class KVCache:
+    """`cache.write(slots, positions, document_ids)` before each call of the model with `cache=`;
+    `cache[i]` is layer i's."""
+
+    def __init__(self, n_layers: int, batch: int, size: int, device: torch.device | str):
+        self.batch, self.size = batch, size
+        self.key_positions = torch.full((batch, size), UNWRITTEN, dtype=torch.long, device=device)
+        self.key_documents = torch.zeros((batch, size), dtype=torch.long, device=device)
+        self.layers = [LayerCache(self) for _ in range(n_layers)]
+        self.slots = self.mask = None
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, document_ids: torch.Tensor) -> None:
+        """The next call's tokens go to `slots` [tokens] of every row, at `positions` [batch, tokens]
+        of `document_ids` [batch, tokens]."""
+        self.slots = slots
+        self.key_positions.index_copy_(1, slots, positions)
+        self.key_documents.index_copy_(1, slots, document_ids)
+        same = document_ids[:, :, None] == self.key_documents[:, None, :]
+        self.mask = (same & (self.key_positions[:, None, :] <= positions[:, :, None]))[:, None]
