@@ -8,6 +8,7 @@ HuggingFace folder, on one device and on an fsdp x tp mesh, and its error lines.
 import copy
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -136,6 +137,11 @@ def test_sampling_keeps_the_top_p_nucleus_and_the_top_k():
     # top_k = 1 is greedy whatever the temperature
     noisy = torch.randn(64, 100)
     assert torch.equal(next_tokens(noisy, Sampling(temperature=5.0, top_k=1)), noisy.argmax(-1))
+    for bad, message in ((dict(top_p=1.5), "top_p = 1.5: expected a value in (0, 1]"),
+                         (dict(temperature=-0.5), "temperature = -0.5: expected 0 (greedy) or more"),
+                         (dict(top_k=-1), "top_k = -1: expected 0 (every token) or more")):
+        with pytest.raises(ValueError, match=re.escape(f"[generate] {message}")):
+            Sampling(**bad).check()
 
 
 # ---- the command ----------------------------------------------------------------------------------

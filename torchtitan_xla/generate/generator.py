@@ -68,10 +68,10 @@ class Generator:
     """`Generator(model, ...)(prompts, max_new_tokens, sampling)` -> one Completion per prompt."""
 
     def __init__(self, model: torch.nn.Module, *, cache_size: int, batch_size: int, device,
-                 eos_ids: Sequence[int], pad_id: int, sharding=None, bucket: int = 16,
+                 eos_ids: Sequence[int], pad_id: int, bucket: int = 16,
                  check_every: int = 16, decode_text: Callable[[list[int]], str] | None = None):
         self.model, self.cache_size, self.batch_size = model, cache_size, batch_size
-        self.device, self.sharding, self.bucket, self.check_every = device, sharding, bucket, check_every
+        self.device, self.bucket, self.check_every = device, bucket, check_every
         self.eos_ids, self.pad_id, self.decode_text = list(eos_ids), pad_id, decode_text
         self.n_layers = len(model.layers)
         self.stats = Stats()
@@ -86,6 +86,7 @@ class Generator:
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
                  stop: Sequence[str] = ()) -> list[Completion]:
         self.check([len(p) for p in prompts], max_new_tokens)
+        sampling.check()
         runtime.set_seed(sampling.seed)
         out = []
         for start in range(0, len(prompts), self.batch_size):
@@ -125,7 +126,7 @@ class Generator:
         return [self._completion(row, stop) for row in host]
 
     # The decode state, all on the device: (last token [batch], its position [batch], its slot [1],
-    # its index among the new tokens [1], rows finished [batch], new tokens [batch, max_new_tokens]).
+    # its index among the new tokens [1], rows finished [batch], new tokens [batch, cache size]).
 
     @torch.no_grad()
     def _prefill(self, tokens, positions, documents, last, slot, step, eos, sampling):
