@@ -84,13 +84,18 @@ def test_gcs_async_save_killed_midway_resumes_bit_exact_and_keeps_latest_k(strai
     assert exported == (folder / "checkpoint" / "step-6-hf" / "model.safetensors").read_bytes()
     local, _ = read_model_state(folder / "checkpoint" / "step-6")
     assert weights.keys() == local.keys() and all(torch.equal(weights[k], local[k]) for k in local)
-    # python -m torchtitan_xla.eval finds the newest step in the bucket, or takes a step's URL.
+    # python -m torchtitan_xla.eval (and .generate) find the newest step in the bucket, or take a
+    # step's URL.
     from torchtitan_xla.config import parse_args
-    from torchtitan_xla.eval.__main__ import _weights
+    from torchtitan_xla.inference import weights_folder
+
+    def weights(*flags):
+        cfg = parse_args(list(flags))
+        return weights_folder(cfg.eval.checkpoint, cfg, "[eval] checkpoint")
 
     with environment(gcs):
-        assert _weights(parse_args(["--checkpoint.folder", url])) == (f"{url}/step-6", False)
-        assert _weights(parse_args(["--eval.checkpoint", f"{url}/step-6"])) == (f"{url}/step-6", False)
+        assert weights("--checkpoint.folder", url) == (f"{url}/step-6", False)
+        assert weights("--eval.checkpoint", f"{url}/step-6") == (f"{url}/step-6", False)
 
 
 def test_s3_resume_reshards_4_to_8_devices_past_a_step_without_its_record(s3, tmp_path):
