@@ -53,9 +53,10 @@ class Loaded:
 
 
 def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *,
-               parallelize: bool = True) -> Loaded:
+               parallelize: bool = True, tokenizer=None) -> Loaded:
     """The model of `path` in eval mode on the config's mesh (a LoRA run's checkpoint merged), with
-    the config's tokenizer; `max_seq_len` is [training] seq_len."""
+    the config's tokenizer (built here unless the caller has it); `max_seq_len` is [training]
+    seq_len."""
     import torch
 
     from torchtitan_xla import runtime
@@ -80,7 +81,7 @@ def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *
     device = runtime.init_devices()
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     mesh = parallel_dims.build_mesh(runtime.device_type())
-    tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
+    tokenizer = tokenizer or build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,
                               model_args.ffn_hidden_dim, model_args.num_experts, model_args.n_layers)

@@ -82,6 +82,7 @@ def main(job_config: JobConfig) -> list[dict]:
     runtime.use(job_config.runtime.backend)
     runtime.configure(job_config.compile.step if job_config.compile.step in runtime.STEP_COMPILERS
                       else "replay")
+    from torchtitan_xla import storage
     from torchtitan_xla.datasets import build_tokenizer
     from torchtitan_xla.datasets.chat import end_of_turn_ids, pad_id
     from torchtitan_xla.generate import Generator, Sampling, check_fits
@@ -106,7 +107,7 @@ def main(job_config: JobConfig) -> list[dict]:
     plain = dataclasses.replace(
         job_config, compile=dataclasses.replace(job_config.compile, scan_layers=False),
         activation_checkpoint=dataclasses.replace(job_config.activation_checkpoint, mode="none"))
-    loaded = load_model(plain, path, is_hf, "[generate] checkpoint")
+    loaded = load_model(plain, path, is_hf, "[generate] checkpoint", tokenizer=tokenizer)
     if cfg.batch_size % loaded.parallel_dims.dp_degree:
         raise ConfigError(f"[generate] batch_size = {cfg.batch_size}: not a multiple of the "
                           f"data-parallel degree {loaded.parallel_dims.dp_degree}")
@@ -125,8 +126,6 @@ def main(job_config: JobConfig) -> list[dict]:
             if s in text:
                 text, finish = text[:text.index(s)], "stop"
         out.append({**record, "completion": text, "finish": finish})
-    from torchtitan_xla import storage
-
     storage.makedirs(os.path.dirname(out_file))
     storage.write_text(out_file, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out))
     logger.info(f"Wrote {len(out)} completion(s) to {out_file}: {generator.stats.summary()} "
