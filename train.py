@@ -61,6 +61,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         update_expert_bias,
     )
     from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
+    from torchtitan_xla.objectives import build_objective
     from torchtitan_xla.optimizer import (
         NonFiniteGuard,
         build_lr_scheduler,
@@ -71,6 +72,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.parallelisms import BATCH_AXES, MESH_AXES, ParallelDims, parallelize_llama
     from torchtitan_xla.parallelisms.context_parallel import balance_batches
     from torchtitan_xla.profiling import maybe_enable_profiling
+    from torchtitan_xla.reference import build_reference, reference_source
     from torchtitan_xla.storage import check_writable, join, makedirs, write_text
     from torchtitan_xla.utils import GarbageCollection, set_determinism
     from torchtitan_xla.validate import build_validator, validation_config
@@ -86,6 +88,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.last_save_in_hf:
         check_writable(join(dump_folder, job_config.checkpoint.folder), "[checkpoint] folder")
     check_initial_load_path(ckpt)  # also when a resume will not read it
+    if job_config.training.objective in ("dpo", "ipo"):
+        reference_source(job_config)  # the reference model's folder exists
 
     # Devices: one mesh over every device of every host (XLA: SPMD from its first call on; native:
     # the process group of one process per device).
@@ -190,7 +194,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         load_initial_weights(job_config.checkpoint, model, model_args, mesh, process_group)
 
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
-    loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype)
+    # The objective (objectives.py) turns the loss function's per-token losses into the step's
+    # loss; preference objectives read plain log-probabilities (no label smoothing or z-loss).
+    objective = build_objective(job_config, global_batch=global_batch,
+                                accumulation_steps=accumulation_steps)
+    loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype,
+                            plain=training.objective != "lm")
+    # dpo and ipo: each batch's log-probabilities under the frozen reference, in a graph of its own.
+    reference = build_reference(job_config, model, loss_fn, tokenizer=tokenizer,
+                                on=(device, mesh, parallel_dims)) if objective.needs_reference else None
 
     # Validation (its data checked now): the plain loss on held-out batches of one microbatch's
     # shape, in its own graph.
@@ -252,25 +264,28 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         if job_config.moe.bias_update_rate:
             update_expert_bias(biased_blocks, expert_counts, job_config.moe.bias_update_rate)
 
-    def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor):
-        """One optimizer step on the batch; `packing` is (positions, document_ids) when several
-        conversations share a sequence (chat data)."""
+    def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *rest: torch.Tensor):
+        """One optimizer step on the batch; `rest` is (positions, document_ids) when several
+        conversations share a sequence (chat data) or sequences come in pairs (preference data),
+        then the reference's log-probabilities of the rows (dpo, ipo)."""
+        packing, extra = rest[:2], rest[2:]
         optimizer.zero_grad(set_to_none=True)
-        # The loss is the mean over every counted label of the step (all microbatches and ranks),
-        # not a mean of microbatch means: chat batches (those with positions and document ids)
-        # mask different numbers of labels. Pre-training batches count every token: there it is
-        # written as the plain mean, the graph the plan's memory model was calibrated on.
+        # The objective's normaliser over the whole step (all microbatches and ranks): the loss is
+        # the step's, not a mean of microbatch means (chat batches mask different numbers of labels).
+        totals = objective.totals(labels, bool(packing))
         counted = labels != IGNORE_INDEX if packing else None
-        total = counted.sum().clamp(min=1) if packing else None
         loss, rank_token_losses, router, expert_counts = 0.0, [], [], [0] * len(biased_blocks)
-        for mb_inputs, mb_labels, *mb_packing in zip(*(microbatches(t) for t in (inputs, labels, *packing))):
+        metrics = 0.0
+        for mb_inputs, mb_labels, *mb_rest in zip(*(microbatches(t) for t in (inputs, labels, *rest))):
             # [dp ranks, ...]: every microbatch spans all ranks in the same order.
-            token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_packing)
+            token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_rest[:2])
             router += [m.router_stats for m in moe_blocks]  # [aux, z, dropped] of this forward
             expert_counts = [c + m.expert_counts for c, m in zip(expert_counts, biased_blocks)]
-            mb_loss = token_losses.sum() / total if packing else token_losses.mean() / accumulation_steps
+            mb_loss, mb_metrics = objective(token_losses, mb_labels, totals, *mb_rest[2:])
             mb_loss.backward()
             loss = loss + mb_loss.detach()
+            if mb_metrics is not None:
+                metrics = metrics + mb_metrics.detach()
             rank_token_losses.append(token_losses.detach())
         grads = [p.grad for p in trainable if p.grad is not None]
         grad_norm = runtime.kernels.total_norm(grads)  # over sharded gradients
@@ -282,8 +297,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1, c.shape[-1])
                                    for c in microbatches(counted)], 1) if packing else None)
         max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
-        stats = torch.cat([loss_and_norm, torch.stack([*runtime.whole([max_loss]), *nonfinite.state])])
-        return torch.cat([stats, *runtime.whole([torch.stack(router).mean(0)])]) if router else stats
+        stats = [loss_and_norm, torch.stack([*runtime.whole([max_loss]), *nonfinite.state])]
+        if objective.metric_names:
+            stats += runtime.whole([metrics])
+        return torch.cat([*stats, *runtime.whole([torch.stack(router).mean(0)])] if router else stats)
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break. With `replay` the graph is traced at the first two steps and then replayed, so
@@ -309,6 +326,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             data_start = time.perf_counter()
             batch = next(data_iterator)  # inputs, labels[, positions, document_ids]
             metric_logger.add_data_wait(time.perf_counter() - data_start)
+            if reference is not None:  # its own graph; the step reads its result as data
+                batch = (*batch, reference(*batch))
             # Every group's lr as one device tensor: the step reads it as data.
             lrs = lr_scheduler.get_last_lr()
             step_stats = compiled_step(torch.tensor(lrs, device=device), *batch)
@@ -324,10 +343,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                             or step == training.steps or validating)
             if logging_step or saving:
                 # The one host transfer per log or checkpoint step; it waits for this step to finish.
-                loss, grad_norm, max_loss, nonfinite_steps, in_a_row, *router = step_stats.tolist()
+                loss, grad_norm, max_loss, nonfinite_steps, in_a_row, *rest = step_stats.tolist()
+                named, router = rest[:len(objective.metric_names)], rest[len(objective.metric_names):]
                 if logging_step:
-                    history.append(metric_logger.log(step, loss, grad_norm, lr, max_loss,
-                                                     tuple(router) or None, nonfinite_steps=nonfinite_steps))
+                    history.append(metric_logger.log(
+                        step, loss, grad_norm, lr, max_loss, tuple(router) or None,
+                        nonfinite_steps=nonfinite_steps,
+                        objective=dict(zip(objective.metric_names, named)) or None))
                 nonfinite.check(step, in_a_row)  # too many in a row: one line, before any save
             if validating:
                 # Its graph compiles at its first two calls, and never again (the guard checks).

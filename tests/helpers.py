@@ -248,3 +248,25 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
         r["validation"] = {int(k): v for k, v in r["validation"].items()}
         r["router"] = {int(k): v for k, v in r["router"].items()}
     return results
+
+
+# ---- transformers in float64 ---------------------------------------------------------------------
+
+def hf_rope(model, hf) -> None:
+    """Give our model transformers' RoPE tables: transformers computes the angles in float32 whatever
+    the model's dtype, so in float64 the two differ by float32 rounding unless they share them."""
+    import torch
+
+    inv_freq = hf.model.rotary_emb.inv_freq.float()
+    angles = torch.arange(model.args.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    model.rope_cos.copy_(angles.cos().double())
+    model.rope_sin.copy_(angles.sin().double())
+
+
+def rmsnorm_in_input_dtype(self, hidden_states):
+    """transformers' LlamaRMSNorm, without its cast to float32 (which would make a float64 model
+    float32 in every norm)."""
+    import torch
+
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))

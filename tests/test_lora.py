@@ -11,29 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import TWO_BLOCKS
-from helpers import REPO, tiny_args, train_many
+from helpers import REPO, hf_rope, rmsnorm_in_input_dtype, tiny_args, train_many
 
 from torchtitan_xla.checkpoint import read_model_state
 from torchtitan_xla.config.job_config import LoRA
 from torchtitan_xla.lora import apply_lora, init_adapters, is_adapter
 
 ALPHA, RANK = 12.0, 4
-
-
-def _hf_rope(model, hf) -> None:
-    """Give our model transformers' RoPE tables: transformers computes the angles in float32 whatever
-    the model's dtype, so in float64 the two differ by float32 rounding unless they share them."""
-    inv_freq = hf.model.rotary_emb.inv_freq.float()
-    angles = torch.arange(model.args.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    model.rope_cos.copy_(angles.cos().double())
-    model.rope_sin.copy_(angles.sin().double())
-
-
-def _rmsnorm_in_input_dtype(self, hidden_states):
-    """transformers' LlamaRMSNorm, without its cast to float32 (which would make a float64 model
-    float32 in every norm)."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
 def test_adapted_model_equals_peft_and_the_exports_load(tmp_path, monkeypatch):
@@ -73,9 +57,9 @@ def test_adapted_model_equals_peft_and_the_exports_load(tmp_path, monkeypatch):
                                                "up_proj", "down_proj"])
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
 
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_in_input_dtype)
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
     hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float64, attn_implementation="sdpa").eval()
-    _hf_rope(model, hf)
+    hf_rope(model, hf)
     adapted = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
     assert sum(n.endswith("lora_A.default.weight") for n, _ in adapted.named_parameters()) == 2 * 7
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))

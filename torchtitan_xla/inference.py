@@ -53,10 +53,10 @@ class Loaded:
 
 
 def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *,
-               parallelize: bool = True, tokenizer=None) -> Loaded:
+               parallelize: bool = True, tokenizer=None, on: tuple | None = None) -> Loaded:
     """The model of `path` in eval mode on the config's mesh (a LoRA run's checkpoint merged), with
     the config's tokenizer (built here unless the caller has it); `max_seq_len` is [training]
-    seq_len."""
+    seq_len. `on`: (device, mesh, parallel_dims) the caller has made already (train.py)."""
     import torch
 
     from torchtitan_xla import runtime
@@ -78,9 +78,12 @@ def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *
             state = merge(state, lora["alpha"])
     model_args = dataclasses.replace(model_args, max_seq_len=job_config.training.seq_len)
 
-    device = runtime.init_devices()
-    parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
-    mesh = parallel_dims.build_mesh(runtime.device_type())
+    if on is None:
+        device = runtime.init_devices()
+        parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
+        mesh = parallel_dims.build_mesh(runtime.device_type())
+    else:
+        device, mesh, parallel_dims = on
     tokenizer = tokenizer or build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     check_vocab_size(tokenizer, model_args.vocab_size)
     parallel_dims.check_model(model_args.n_heads, model_args.kv_heads, model_args.dim,

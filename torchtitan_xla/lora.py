@@ -11,8 +11,10 @@ A starts random and B at zero (peft's default), so training starts from the base
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +45,11 @@ class LoRALinear(nn.Linear):
         linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         return linear
 
+    adapter_enabled = True  # off: the base layer (a preference objective's reference model)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_enabled:
+            return F.linear(x, self.weight)
         return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     @torch.no_grad()
@@ -73,6 +79,19 @@ def apply_lora(model: nn.Module, cfg: LoRA) -> None:
     total = sum(p.numel() for p in model.parameters())
     logger.info(f"LoRA: rank {cfg.rank}, alpha {cfg.alpha:g} on {wrapped} layers "
                 f"({', '.join(cfg.target_modules)}); {trainable:,} trainable of {total:,} parameters")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model without its adapters (the base model, as peft's `disable_adapter()`)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.adapter_enabled = True
 
 
 def init_adapters(model: nn.Module) -> None:

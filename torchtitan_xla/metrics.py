@@ -142,6 +142,9 @@ class StepStats:
     # Steps since the launch whose loss or gradient norm was not finite ([training]
     # skip_nonfinite_steps: their updates were skipped).
     nonfinite_steps: int = 0
+    # Preference objectives: TRL's names (rewards/chosen, rewards/rejected, rewards/margins,
+    # rewards/accuracies), each the mean over the step's pairs.
+    objective: dict[str, float] | None = None
 
 
 def _eta(seconds: float) -> str:
@@ -183,7 +186,7 @@ class MetricLogger:
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float,
             max_loss: float | None = None, router: tuple[float, ...] | None = None,
-            nonfinite_steps: float = 0) -> StepStats:
+            nonfinite_steps: float = 0, objective: dict[str, float] | None = None) -> StepStats:
         now = time.perf_counter()
         steps = max(step - self._last_step, 1)
         dt = (now - self._last_time) / steps
@@ -197,7 +200,8 @@ class MetricLogger:
         stats = StepStats(step=step, loss=loss, max_loss=loss if max_loss is None else max_loss,
                           grad_norm=grad_norm, lr=lr, tokens_per_second=tps, tflops=flops / 1e12,
                           mfu=mfu, step_time=dt, data_wait=data_wait, memory=memory,
-                          eta_seconds=eta, router=router, nonfinite_steps=int(nonfinite_steps))
+                          eta_seconds=eta, router=router, nonfinite_steps=int(nonfinite_steps),
+                          objective=objective)
         if self.enabled:
             self._print(stats)
             self._write(stats)
@@ -231,6 +235,9 @@ class MetricLogger:
             aux, z, dropped, spread = s.router
             loss += (f"  router aux: {aux:.4f} z: {z:.3f} dropped: {100 * dropped:.1f}% "
                      f"load max/min: {spread:.2f}")
+        if s.objective is not None:
+            loss += (f"  accuracy: {s.objective['rewards/accuracies']:.2f}  "
+                     f"margin: {s.objective['rewards/margins']:.4f}")
         if s.nonfinite_steps:
             loss += f"  {c.yellow}{self.nonfinite}: {s.nonfinite_steps}{c.green}"
         logger.info(
@@ -263,6 +270,7 @@ class MetricLogger:
         if s.router is not None:
             scalars.update(zip(("moe/aux_loss", "moe/z_loss", "moe/dropped(%)", "moe/load_max_over_min"),
                                (s.router[0], s.router[1], 100 * s.router[2], s.router[3])))
+        scalars.update(s.objective or {})
         self._emit(scalars, s.step)
 
     def close(self) -> None:

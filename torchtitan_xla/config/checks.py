@@ -71,10 +71,38 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
             f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
             f"before the next starts")
+    _check_objective(cfg, sources)
     args = _model_args(cfg, sources)
     _check_moe(cfg, args, sources)
     _check_attention(cfg, args, sources)
     _check_runtime(cfg, sources)
+
+
+def _check_objective(cfg: JobConfig, sources) -> None:
+    """Preference objectives train on pairs of rows of a preference dataset, and only there."""
+    from torchtitan_xla.datasets.sources import PREFERENCE_DATASETS
+
+    t, p = cfg.training, cfg.parallelism
+    objective, dataset = sources.describe("training", "objective"), sources.describe("training", "dataset")
+    pairs = t.dataset in PREFERENCE_DATASETS
+    if (t.objective == "lm") == pairs:
+        raise ConfigError(f"{objective} = {t.objective!r} with {dataset} = {t.dataset!r}: "
+                          + (f"preference pairs need a preference objective (dpo, ipo, simpo or orpo)"
+                             if pairs else f"{t.objective} trains on preference pairs (dataset "
+                             f"preference or python_docs_preference)"))
+    if not pairs:
+        return
+    if t.local_batch_size % 2:
+        raise ConfigError(f"{sources.describe('training', 'local_batch_size')} = {t.local_batch_size}: "
+                          f"{t.objective} needs an even number of rows (each pair is two rows)")
+    if p.pipeline_parallel_degree > 1 or p.context_parallel_degree > 1:
+        raise ConfigError(f"{objective} = {t.objective!r} is not supported with pipeline or context "
+                          f"parallelism yet; use data and tensor parallelism")
+    if cfg.validation.enable and cfg.validation.dataset in ("", *PREFERENCE_DATASETS):
+        raise ConfigError(f"{sources.describe('validation', 'enable')} with {objective} = "
+                          f"{t.objective!r}: validation computes the language-model loss; set "
+                          f"[validation] dataset to a text or chat dataset (held-out preference "
+                          f"accuracy: docs/posttrain.md)")
 
 
 def _model_args(cfg: JobConfig, sources):
@@ -191,6 +219,8 @@ _NOT_ON_NATIVE = (
      "(vmapped over a pp-split dimension)"),
     ("moe", "grouped_mm", lambda v: v, "its kernel is torch_xla's Pallas megablox (elsewhere a reference "
      "E times slower)"),
+    ("training", "objective", lambda v: v != "lm", "the preference objectives are tested on the XLA "
+     "runtime only"),
 )
 
 

@@ -98,13 +98,15 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: Literal["python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
-                     "python_docs_chat"] = opt(
+                     "python_docs_chat", "preference", "python_docs_preference"] = opt(
         "python_docs",
         "Dataset (docs/datasets.md): python_docs is embedded and works offline; c4 streams "
         "allenai/c4 (en) from the Hub, or reads a local copy at dataset_path; json / parquet / "
         "text read local files; hf a save_to_disk folder or a Hub id; synthetic is random tokens. "
         "Fine-tuning (docs/finetune.md): chat reads JSON-lines conversations at dataset_path; "
-        "python_docs_chat is an embedded question/answer set made from the Python docs.")
+        "python_docs_chat is an embedded question/answer set made from the Python docs. "
+        "Preference pairs (docs/posttrain.md): preference reads JSON-lines {prompt, chosen, "
+        "rejected} at dataset_path; python_docs_preference is embedded.")
     dataset_path: str = opt(
         "", "File, folder or glob of the dataset (c4: the folder holding en/), local or a gs:// or "
         "s3:// URL; empty: the registry default.")
@@ -136,6 +138,9 @@ class Training:
         True, "Chat datasets: pack several conversations into each sequence, with attention that "
         "does not cross conversations and positions that restart at each; false: one "
         "conversation per sequence, padded. (Pre-training text is always one packed stream.)")
+    objective: Literal["lm", "dpo", "ipo", "simpo", "orpo"] = opt(
+        "lm", "The loss (docs/posttrain.md): lm is next-token cross-entropy (pre-training, SFT); "
+        "dpo, ipo, simpo and orpo are preference objectives on pairs of a preference dataset.")
     mixed_precision_param: Literal["float32", "bfloat16"] = opt(
         "bfloat16", "Compute dtype (autocast); parameters and optimizer state stay float32.")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps.", gt=0)
@@ -152,6 +157,19 @@ class Loss:
         0, "0: the loss on full [tokens, vocab] logits. N: the output projection and the loss run "
         "over N tokens of every data-parallel rank at a time, forward and backward, so the full "
         "logits never exist (must divide local_batch_size x seq_len).", ge=0)
+
+
+@dataclass
+class Preference:
+    beta: float = opt(
+        0.1, "beta: the strength of the preference (DPO's KL weight; ORPO's lambda).", gt=0)
+    label_smoothing: float = opt(
+        0.0, "dpo, simpo: the probability that a pair's labels are flipped (conservative DPO).",
+        ge=0, le=0.5)
+    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma.", ge=0)
+    reference: str = opt(
+        "", "dpo, ipo: the frozen reference model, a checkpoint step or HuggingFace folder; empty: "
+        "[checkpoint] initial_load_path, or with LoRA the base model (the adapters switched off).")
 
 
 @dataclass
@@ -329,6 +347,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     loss: Loss = field(default_factory=Loss)
+    preference: Preference = field(default_factory=Preference)
     moe: MoE = field(default_factory=MoE)
     lora: LoRA = field(default_factory=LoRA)
     validation: Validation = field(default_factory=Validation)

@@ -17,8 +17,9 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
                       input_sharding=None, batch_transform=None) -> DataLoader:
     """This host's loader: `batch_size` packed sequences per step (the host's share of the
     global batch), read from this host's share of the dataset, resumable via state_dict().
-    Batches are (inputs, labels), each [batch_size, seq_len] int64; for the chat datasets
-    (inputs, labels, positions, document_ids), labels -100 where not trained (chat.py).
+    Batches are (inputs, labels), each [batch_size, seq_len] int64; for the chat and preference
+    datasets (inputs, labels, positions, document_ids), labels -100 where not trained (chat.py,
+    preference.py: rows 2i and 2i + 1 are the chosen and rejected sequences of a pair).
 
     With `device` (and `input_sharding`), batches arrive on the device mesh, prefetched in a
     background thread; without, they stay on the host (tests, benchmarks). `batch_transform`:
@@ -26,7 +27,8 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from torchtitan_xla.datasets.packing import ChatDataset, PackedTextDataset, SyntheticDataset
-    from torchtitan_xla.datasets.sources import CHAT_DATASETS, load_documents
+    from torchtitan_xla.datasets.preference import PreferenceDataset
+    from torchtitan_xla.datasets.sources import CHAT_DATASETS, PREFERENCE_DATASETS, load_documents
 
     t = job_config.training
     seed = job_config.debug.seed if job_config.debug.seed is not None else DEFAULT_SEED
@@ -38,7 +40,9 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
         documents = load_documents(t.dataset, t.dataset_path, split)
         stream = dict(host_rank=host_rank, host_count=host_count, shuffle_buffer=t.shuffle_buffer,
                       seed=seed, infinite=infinite, name=t.dataset)
-        if t.dataset in CHAT_DATASETS:
+        if t.dataset in PREFERENCE_DATASETS:
+            dataset = PreferenceDataset(documents, tokenizer, t.seq_len, **stream)
+        elif t.dataset in CHAT_DATASETS:
             dataset = ChatDataset(documents, tokenizer, t.seq_len, packing=t.packing, **stream)
         else:
             dataset = PackedTextDataset(documents, tokenizer, t.seq_len, **stream)

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 C4_HUB_ID = "allenai/c4"
 DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
-                 "python_docs_chat")
+                 "python_docs_chat", "preference", "python_docs_preference")
 CHAT_DATASETS = ("chat", "python_docs_chat")
+PREFERENCE_DATASETS = ("preference", "python_docs_preference")  # {"pair": ...} rows (preference.py)
 JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
@@ -36,7 +37,7 @@ JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 # --------------------------------------------------------------------------------------------
 
 
-def _open_text(file: str):
+def open_text(file: str):
     import fsspec
 
     return fsspec.open(file, "rt", encoding="utf-8", compression="infer")
@@ -48,7 +49,7 @@ def _read_json_lines(files: list[str]) -> Iterator[dict[str, str]]:
     for file in files:
         lineno = 0
         try:
-            with _open_text(file) as fh:
+            with open_text(file) as fh:
                 for lineno, line in enumerate(fh, 1):  # noqa: B007 (lineno is used after the loop)
                     if not line.strip():
                         continue
@@ -72,7 +73,7 @@ def _read_paragraphs(files: list[str]) -> Iterator[dict[str, str]]:
     for file in files:
         lineno = 0
         try:
-            with _open_text(file) as fh:
+            with open_text(file) as fh:
                 lines: list[str] = []
                 for lineno, line in enumerate(fh, 1):  # noqa: B007
                     if line.strip():
@@ -93,7 +94,7 @@ def _conversations_in(file: str) -> Iterator[list[dict[str, str]]]:
 
     lineno = 0
     try:
-        with _open_text(file) as fh:
+        with open_text(file) as fh:
             for lineno, line in enumerate(fh, 1):  # noqa: B007
                 if not line.strip():
                     continue
@@ -317,8 +318,26 @@ def _python_docs_chat(path: str, split: str) -> datasets.IterableDataset:
     return _from_generator(_yield_conversations, column="messages", conversations=conversations)
 
 
+def _preference(path: str, split: str) -> datasets.IterableDataset:
+    from torchtitan_xla.datasets import preference
+
+    _only_train("preference", split)
+    files = _local_files(path, JSON_SUFFIXES, "preference")
+    pairs = [pair for file in files for pair in preference.pairs_in(file)]  # checked whole, now
+    return _from_generator(preference.encode_pairs, column="pair", pairs=pairs)
+
+
+def _python_docs_preference(path: str, split: str) -> datasets.IterableDataset:
+    from torchtitan_xla.datasets import preference, python_docs
+
+    topics = _held_out(python_docs.conversations(), "python_docs_preference", split)
+    return _from_generator(preference.encode_pairs, column="pair",
+                           pairs=preference.embedded_pairs(topics))
+
+
 _REGISTRY = {"python_docs": _python_docs, "c4": _c4, "json": _json, "parquet": _parquet,
-             "text": _text, "hf": _hf, "chat": _chat, "python_docs_chat": _python_docs_chat}
+             "text": _text, "hf": _hf, "chat": _chat, "python_docs_chat": _python_docs_chat,
+             "preference": _preference, "python_docs_preference": _python_docs_preference}
 
 
 def load_documents(name: str, path: str = "", split: str = "train") -> datasets.IterableDataset:

@@ -55,6 +55,8 @@ def report(plan, cfg) -> str:
         f"  parameters   {_gib(m.parameters)}   (float32; largest shard {name} {list(shape)} {spec})",
         f"  gradients    {_gib(m.gradients)}",
         f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name})",
+        *([f"  reference    {_gib(m.reference)}   ({cfg.training.objective}'s frozen reference "
+           f"model, float32)"] if m.reference else []),
         f"  activations  {_gib(m.activations)}   (seq {t.seq_len} x batch {t.local_batch_size} per rank"
         + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "")
         + (f", split over cp {cp}: {t.seq_len // cp} tokens per device" if cp > 1 else "") + ", "

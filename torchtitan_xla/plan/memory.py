@@ -119,6 +119,7 @@ class Memory:
     optimizer: int
     temporaries: int  # the compiled step's temporary buffer; holds the gradients
     largest_shard: tuple[str, tuple[int, ...], tuple]  # name, local shape, partition spec
+    reference: int = 0  # dpo / ipo: the frozen reference model's weights (reference.py)
 
     @property
     def activations(self) -> int:
@@ -127,7 +128,7 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.temporaries
+        return self.parameters + self.optimizer + self.temporaries + self.reference
 
 
 def shard_shape(shape: tuple[int, ...], spec: tuple, axis_sizes: dict[str, int]) -> tuple[int, ...]:
@@ -341,7 +342,14 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
     # The fitted temporaries hold every parameter's gradient: without the frozen ones' (LoRA; not
     # calibrated against the compiler).
     frozen_gradients = (elements - trained) * BYTES_GRAD
+    # dpo / ipo keep a frozen copy of the base weights, sharded as the policy's (LoRA without a
+    # given reference switches its adapters off instead). Its scoring graph runs between steps:
+    # its activations (no gradients) are far below the step's, so the peak is the step's.
+    from torchtitan_xla.objectives import copies_reference
+
+    base = elements - trained if job_config.lora.rank else elements
+    reference = base * BYTES_PARAM if copies_reference(job_config) else 0
     return Memory(parameters=elements * BYTES_PARAM, gradients=trained * BYTES_GRAD,
                   optimizer=trained * states * BYTES_STATE,
                   temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients,
-                  largest_shard=largest)
+                  largest_shard=largest, reference=reference)

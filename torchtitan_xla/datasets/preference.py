@@ -1,0 +1,195 @@
+"""Preference pairs for the preference objectives (`[training] objective = "dpo"`, ...): records,
+sources and the training rows.
+
+Records (`[training] dataset = "preference"`: JSON lines at dataset_path, a file, folder or glob,
+local or a URL; `"python_docs_preference"`: embedded, offline), TRL's two explicit-prompt forms:
+
+    {"prompt": "...", "chosen": "...", "rejected": "..."}                     (plain text)
+    {"prompt": [{"role": "user", "content": "..."}, ...],                    (conversational)
+     "chosen": [{"role": "assistant", "content": "..."}],
+     "rejected": [{"role": "assistant", "content": "..."}]}
+
+A plain prompt is one user turn (optionally with "system"); a conversational prompt is chat.py's
+conversation ending with the user's turn. Both answers are rendered after the prompt in the
+tokenizer's chat format (chat.py), so the chosen and the rejected sequence share the prompt's ids.
+
+Rows (PreferenceDataset): each pair gives two rows, the chosen sequence then the rejected one,
+in chat.py's four columns (inputs, labels, positions, document_ids); labels are -100 except on the
+final answer's tokens (its content and end-of-turn token), so the summed log-probability of a row
+is that of its completion given the prompt. Pairs are never packed: a batch's rows 2i and 2i + 1
+are pair i. A completion that does not fit seq_len is cut at its end (a warning, once); a prompt
+that leaves no room for any completion token stops the run, naming the record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchtitan_xla.datasets import chat
+from torchtitan_xla.datasets.packing import ChatDataset
+from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.logging import logger
+from torchtitan_xla.losses import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    import datasets
+
+    from torchtitan_xla.datasets.tokenizer import Tokenizer
+
+Pair = tuple[list[chat.Message], str, str]  # (prompt messages ending with the user's, chosen, rejected)
+
+
+def parse_pair(record: object) -> Pair:
+    """A JSON record (decoded) -> (prompt messages, chosen, rejected); a ConfigError says what is
+    wrong (the reader adds the file and line)."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"not a preference pair: expected an object, found {type(record).__name__}")
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
+    if missing:
+        raise ConfigError(f"not a preference pair: no {' or '.join(repr(k) for k in missing)} "
+                          f"(expected 'prompt', 'chosen' and 'rejected'; found: "
+                          f"{', '.join(record) or 'an empty object'})")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        conversation: object = {"prompt": prompt, "completion": ""}
+        if "system" in record:
+            conversation["system"] = record["system"]
+        messages = chat.parse_conversation(conversation)[:-1]
+    elif isinstance(prompt, list):
+        messages = chat.parse_conversation({"messages": prompt}, final="user")
+    else:
+        raise ConfigError(f"'prompt' is a {type(prompt).__name__}, expected a string or a list of messages")
+    return messages, _answer(record, "chosen"), _answer(record, "rejected")
+
+
+def _answer(record: dict, key: str) -> str:
+    value = record[key]
+    if isinstance(value, str):
+        return value
+    if (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
+            and value[0].get("role") == "assistant" and isinstance(value[0].get("content"), str)):
+        return value[0]["content"]
+    raise ConfigError(f"{key!r}: expected a string or a list of one assistant message")
+
+
+def pairs_in(file: str) -> Iterator[Pair]:
+    """The pairs of a JSON-lines file; a bad line stops the run with its file and line number."""
+    from torchtitan_xla.datasets.sources import open_text
+
+    lineno = 0
+    try:
+        with open_text(file) as fh:
+            for lineno, line in enumerate(fh, 1):  # noqa: B007
+                if not line.strip():
+                    continue
+                try:
+                    yield parse_pair(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
+                except ConfigError as e:
+                    raise ConfigError(f"{file}:{lineno}: {e}") from None
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
+
+
+def embedded_pairs(topics: list[list[list[chat.Message]]]) -> list[Pair]:
+    """The embedded set's pairs: each conversation's last answer is chosen over the answer at the
+    same place in the next topic (about something else, so the preference is clear)."""
+    pairs = []
+    for t, topic in enumerate(topics):
+        other = topics[(t + 1) % len(topics)]
+        for k, messages in enumerate(topic):
+            pairs.append((messages[:-1], messages[-1]["content"], other[k % len(other)][-1]["content"]))
+    return pairs
+
+
+def encode_pairs(pairs) -> Iterator[dict[str, str]]:
+    for prompt, chosen, rejected in pairs:
+        yield {"pair": json.dumps([prompt, chosen, rejected])}
+
+
+def completion_row(prompt: list[chat.Message], answer: str, tokenizer: Tokenizer) -> tuple[list[int], list[int], int]:
+    """(inputs, labels, prompt length in tokens) of the prompt answered by `answer`, uncut; labels
+    are -100 except on the final answer's tokens."""
+    ids, trained = chat.render([*prompt, {"role": "assistant", "content": answer}], tokenizer)
+    # Only the final answer: earlier assistant turns of a conversational prompt are context.
+    start = len(trained) - 1
+    while start > 0 and not trained[start]:
+        start -= 1
+    while start > 0 and trained[start - 1]:
+        start -= 1
+    labels = [t if keep and i >= start else IGNORE_INDEX
+              for i, (t, keep) in enumerate(zip(ids[1:], trained[1:]), 1)]
+    return ids[:-1], labels, start
+
+
+class PreferenceDataset(ChatDataset):
+    """This host's share of the pairs (the "pair" column: JSON [prompt, chosen, rejected]) as rows,
+    the chosen sequence then the rejected one (module docstring)."""
+
+    column = "pair"
+
+    def __init__(self, pairs: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, **stream):
+        super().__init__(pairs, tokenizer, seq_len, packing=False, **stream)
+        self._pending: list[tuple[list[int], list[int]]] = []  # the rejected row of a pair half out
+
+    def __iter__(self):
+        while self._pending:  # resumed between a pair's rows
+            self._row = [self._pending.pop(0)]
+            yield self._emit()
+        for text in self._stream():
+            chosen, rejected = self._rows(text)
+            self._row, self._pending = [chosen], [rejected]
+            row = self._emit()  # the state at the yield holds the rejected row
+            yield row
+            self._row, self._pending = [rejected], []
+            yield self._emit()
+
+    def _rows(self, text: str) -> tuple[tuple[list[int], list[int]], ...]:
+        prompt, chosen, rejected = json.loads(text)
+        return tuple(self._fit(*completion_row(prompt, answer, self._tokenizer))
+                     for answer in (chosen, rejected))
+
+    def _fit(self, inputs: list[int], labels: list[int], prompt_len: int) -> tuple[list[int], list[int]]:
+        if prompt_len > self._seq_len:
+            raise ConfigError(f"dataset {self.name}: a prompt of {prompt_len:,} tokens leaves no "
+                              f"room for its answer in [training] seq_len {self._seq_len:,}")
+        if len(inputs) > self._seq_len and not self._warned:
+            self._warned = True
+            logger.warning(f"dataset {self.name} ({self._where}): an answer ends past seq_len "
+                           f"{self._seq_len:,} and is cut there (logged once)")
+        return inputs[:self._seq_len], labels[:self._seq_len]
+
+    def check_documents(self, workers: int, where: str) -> None:
+        """ChatDataset's check, then every pair of a local or embedded source rendered now, so a
+        prompt too long for seq_len stops the run before it starts."""
+        super().check_documents(workers, where)
+        for batch in self._source.iter(batch_size=1):
+            try:
+                self._rows(batch[self.column][0])
+            except ConfigError as e:
+                prompt = json.loads(batch[self.column][0])[0][-1]["content"]
+                raise ConfigError(f"{where}: the pair whose prompt ends {prompt[-40:]!r}: "
+                                  f"{str(e).partition(': ')[2]}") from None
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"pending": [[list(x), list(y)] for x, y in self._pending]}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._pending = [(list(x), list(y)) for x, y in state["pending"]]
+        self._row = []
+
+
+def pad_rows(rows: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Rows of (inputs, labels) as a batch in the four columns, each row one document."""
+    columns = [[], [], [], []]
+    for x, y in rows:
+        pad = seq_len - len(x)
+        for column, values in zip(columns, (x + [pad_id] * pad, y + [IGNORE_INDEX] * pad,
+                                            [*range(len(x)), *[0] * pad], [1] * len(x) + [0] * pad)):
+            column.append(values)
+    return tuple(torch.tensor(c, dtype=torch.long) for c in columns)

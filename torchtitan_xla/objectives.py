@@ -1,0 +1,144 @@
+"""What the training step minimises (`[training] objective`), from the per-token losses the loss
+function gives (losses.py) and the batch's labels.
+
+Each objective is called once per microbatch as `objective(token_losses, labels, totals, *extra)`
+and returns (that microbatch's share of the step's loss, its metric sums or None); `totals` is
+what the objective normalises by, computed once over the whole step's batch
+(`objective.totals(labels, packed)`), so that accumulating microbatches gives the loss of the
+whole batch. The step's metrics are the sums over microbatches (already divided by the step's
+count), logged under `metric_names`.
+
+- `lm`: next-token cross-entropy, the mean over every counted label of the step (pre-training
+  and SFT).
+- `dpo`, `ipo`, `simpo`, `orpo`: preference objectives on pairs of rows (preference.py: rows 2i
+  and 2i + 1 are the chosen and rejected completions of pair i). A row's log-probability is the
+  SUM of its completion tokens' log-probabilities (TRL's); the formulas are `preference_losses`,
+  the mean over the step's pairs. dpo and ipo also take the reference model's row
+  log-probabilities (reference.py), as data.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_xla.config import JobConfig
+from torchtitan_xla.losses import IGNORE_INDEX
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+WITH_REFERENCE = ("dpo", "ipo")
+
+
+def preference_losses(kind: str, logps: torch.Tensor, counts: torch.Tensor,
+                      reference_logps: torch.Tensor | None, *, beta: float,
+                      label_smoothing: float = 0.0, simpo_gamma: float = 0.5
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(losses, chosen rewards, rejected rewards), each [pairs], of pairs whose completions have
+    summed log-probabilities `logps` [pairs, 2] (chosen, rejected) over `counts` [pairs, 2]
+    tokens; `reference_logps` as `logps`, under the reference model (dpo, ipo).
+
+    - dpo (the sigmoid loss; with label smoothing eps, conservative DPO):
+      z = beta ((c - c_ref) - (r - r_ref)), loss = -(1 - eps) logsigmoid(z) - eps logsigmoid(-z)
+    - ipo: the log-ratios divided by the completion lengths, loss = (delta - 1 / (2 beta))^2
+    - simpo (TRL's CPO trainer with cpo_alpha = 0): average log-probabilities a,
+      z = beta (a_c - a_r) - gamma, the loss as dpo's
+    - orpo: average log-probabilities a, log odds(a) = a - log(1 - exp(a)),
+      loss = -beta logsigmoid(log odds(a_c) - log odds(a_r)) (its NLL term is added by the caller)
+    Rewards as TRL reports them: beta times the (length-normalised for ipo) log-ratio, or beta
+    times the average log-probability where there is no reference."""
+    eps = label_smoothing
+    if kind in WITH_REFERENCE:
+        ratios = logps - reference_logps
+        if kind == "ipo":
+            ratios = ratios / counts
+        rewards = beta * ratios
+        if kind == "dpo":
+            z = rewards[:, 0] - rewards[:, 1]
+            losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        else:
+            losses = (ratios[:, 0] - ratios[:, 1] - 1 / (2 * beta)).square()
+    else:
+        average = logps / counts
+        rewards = beta * average
+        if kind == "simpo":
+            z = rewards[:, 0] - rewards[:, 1] - simpo_gamma
+            losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        else:  # orpo
+            log_odds = average - torch.log1p(-torch.exp(average))
+            losses = -beta * F.logsigmoid(log_odds[:, 0] - log_odds[:, 1])
+    return losses, rewards[:, 0], rewards[:, 1]
+
+
+def row_logps(token_losses: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability, counted tokens) of each row of `labels` [rows, seq], from the loss
+    function's per-token losses (any shape holding the rows in order; 0 where not counted)."""
+    seq = labels.shape[-1]
+    return -token_losses.reshape(-1, seq).sum(-1), (labels != IGNORE_INDEX).sum(-1)
+
+
+class LanguageModeling:
+    """`lm`: the mean loss over every counted label of the step. Batches of whole sequences count
+    every token: there it is written as the plain mean, the graph the plan's memory model was
+    calibrated on."""
+
+    metric_names: tuple[str, ...] = ()
+    needs_reference = False
+
+    def __init__(self, accumulation_steps: int):
+        self.accumulation_steps = accumulation_steps
+
+    def totals(self, labels: torch.Tensor, packed: bool) -> torch.Tensor | None:
+        return (labels != IGNORE_INDEX).sum().clamp(min=1) if packed else None
+
+    def __call__(self, token_losses, labels, totals, *extra):
+        if totals is None:
+            return token_losses.mean() / self.accumulation_steps, None
+        return token_losses.sum() / totals, None
+
+
+class Preference:
+    """dpo, ipo, simpo, orpo on the step's `pairs` pairs (module docstring). Metrics, as TRL logs
+    them: the mean chosen and rejected rewards, their margin, and the fraction of pairs whose
+    chosen reward is the larger."""
+
+    metric_names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+    def __init__(self, kind: str, job_config: JobConfig, pairs: int):
+        cfg = job_config.preference
+        self.kind, self.pairs = kind, pairs
+        self.needs_reference = kind in WITH_REFERENCE
+        self.settings = dict(beta=cfg.beta, label_smoothing=cfg.label_smoothing,
+                             simpo_gamma=cfg.simpo_gamma)
+
+    def totals(self, labels: torch.Tensor, packed: bool) -> torch.Tensor | None:
+        # ORPO's NLL term: the mean over every completion token of the step's chosen rows.
+        if self.kind != "orpo":
+            return None
+        return (labels.view(-1, 2, labels.shape[-1])[:, 0] != IGNORE_INDEX).sum().clamp(min=1)
+
+    def __call__(self, token_losses, labels, totals, reference_logps=None):
+        logps, counts = row_logps(token_losses, labels)
+        reference = None if reference_logps is None else reference_logps.reshape(-1, 2)
+        losses, chosen, rejected = preference_losses(
+            self.kind, logps.view(-1, 2), counts.view(-1, 2).clamp(min=1), reference, **self.settings)
+        loss = losses.sum() / self.pairs
+        if self.kind == "orpo":
+            loss = loss - logps.view(-1, 2)[:, 0].sum() / totals
+        metrics = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
+                               (chosen > rejected).float().sum()]) / self.pairs
+        return loss, metrics
+
+
+def copies_reference(job_config: JobConfig) -> bool:
+    """Whether the objective keeps a frozen copy of the weights (reference.py): dpo and ipo, unless
+    LoRA's base model (the adapters switched off) is the reference."""
+    pref = job_config.preference
+    return (job_config.training.objective in WITH_REFERENCE
+            and bool(pref.reference or not job_config.lora.rank))
+
+
+def build_objective(job_config: JobConfig, *, global_batch: int, accumulation_steps: int):
+    kind = job_config.training.objective
+    if kind == "lm":
+        return LanguageModeling(accumulation_steps)
+    return Preference(kind, job_config, global_batch // 2)

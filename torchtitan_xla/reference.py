@@ -1,0 +1,84 @@
+"""The reference model of the dpo and ipo objectives (objectives.py): each step's row
+log-probabilities under it, computed by a scoring graph of its own before the training step,
+which reads them as data (so the training graph stays one graph and holds no second model).
+
+The reference is `[preference] reference`, else `[checkpoint] initial_load_path` (the weights
+the policy starts from): a frozen copy, sharded on the training mesh as the policy is, its weights
+read once. With LoRA and no reference given it is the policy itself with its adapters switched off
+(the base model, peft's `disable_adapter()`): no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torchtitan_xla import runtime
+from torchtitan_xla.config import JobConfig
+from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.objectives import copies_reference, row_logps
+
+KEY = "[preference] reference"
+
+
+def reference_source(job_config: JobConfig) -> str | None:
+    """The folder the reference is read from (None: the policy with its adapters off), checked
+    before the runtime starts."""
+    from torchtitan_xla.inference import weights_folder
+
+    if not copies_reference(job_config):
+        return None
+    given = job_config.preference.reference or job_config.checkpoint.initial_load_path
+    if not given:
+        raise ConfigError(f"{KEY}: empty, and no [checkpoint] initial_load_path to use instead: "
+                          f"{job_config.training.objective} compares the policy with a frozen "
+                          f"reference model (simpo and orpo need none)")
+    weights_folder(given, job_config, KEY)  # exists and is readable
+    return given
+
+
+def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, tokenizer,
+                    on: tuple) -> Callable[..., torch.Tensor]:
+    """`reference(inputs, labels, positions, document_ids)` -> each row's summed completion
+    log-probability [rows, 1] under the reference model, float32, as one compiled graph.
+    `loss_fn` is the plain loss function (no label smoothing or z-loss); `on` is (device, mesh,
+    parallel_dims)."""
+    import contextlib
+
+    from torchtitan_xla.inference import load_model, weights_folder
+    from torchtitan_xla.lora import adapters_disabled
+
+    source = reference_source(job_config)
+    if source is None:
+        model, switch = policy, lambda: adapters_disabled(policy)
+    else:
+        folder, is_hf = weights_folder(source, job_config, KEY)
+        model = load_model(job_config, folder, is_hf, KEY, tokenizer=tokenizer, on=on).model
+        _check_same_shapes(model, policy, source)
+        model.requires_grad_(False)
+        switch = contextlib.nullcontext
+
+    @torch.no_grad()
+    def score(inputs, labels, positions, document_ids):
+        with switch():
+            token_losses = loss_fn(model, inputs, labels, positions, document_ids)
+        return row_logps(token_losses, labels)[0].unsqueeze(-1)
+
+    return runtime.build_step("lazy", score, [*model.parameters(), *model.buffers()],
+                              name="reference_step")
+
+
+def _check_same_shapes(reference: torch.nn.Module, policy: torch.nn.Module, source: str) -> None:
+    """The reference must be the policy's architecture: the same weights, of the same shapes."""
+    from torchtitan_xla.lora import is_adapter
+
+    theirs = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    ours = {n: tuple(p.shape) for n, p in policy.named_parameters() if not is_adapter(n)}
+    if theirs != ours:
+        diff = sorted(set(theirs.items()) ^ set(ours.items()))
+        name = diff[0][0]
+        raise ConfigError(f"{KEY}: {source} is not the policy's architecture: {name} is "
+                          f"{list(theirs.get(name, ())) or 'missing'} there, "
+                          f"{list(ours.get(name, ())) or 'missing'} in the policy "
+                          f"({len(diff)} weights differ)")
