@@ -225,6 +225,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if eval_tasks and host_count > 1 and not runtime.PROCESS_PER_DEVICE:
         raise ConfigError("[eval] at_end = true runs on one host only on the XLA runtime; evaluate "
                           "the saved checkpoint with python -m torchtitan_xla.eval")
+    if any(t.kind == "generate_until" for t in eval_tasks):
+        raise ConfigError("[eval] at_end = true: generate_until tasks run from the saved checkpoint "
+                          "only, with python -m torchtitan_xla.eval")
 
     # Inputs are all checked by now: the config is shown once it is known to start, and only from
     # here on does the run write anything.
@@ -268,7 +271,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         """One optimizer step on the batch; `rest` is (positions, document_ids) when several
         conversations share a sequence (chat data) or sequences come in pairs (preference data),
         then the reference's log-probabilities of the rows (dpo, ipo)."""
-        packing, extra = rest[:2], rest[2:]
+        packing = rest[:2]
         optimizer.zero_grad(set_to_none=True)
         # The objective's normaliser over the whole step (all microbatches and ranks): the loss is
         # the step's, not a mean of microbatch means (chat batches mask different numbers of labels).

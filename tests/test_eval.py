@@ -294,8 +294,15 @@ def test_malformed_task_line_is_one_line_with_file_and_line(tmp_path, content, m
     (["--eval.tasks", "trivia:x.jsonl"], r"error: command line: --eval.tasks: 'trivia:x.jsonl': expected kind:path"),
     (["--eval.checkpoint", "/nonexistent/step-9"],
      r"error: command line: --eval.checkpoint: /nonexistent/step-9: no such folder"),
+    (["--eval.tasks", "generate_until:{gsm}", "--eval.num_fewshot", "2", "--eval.max_gen_toks", "16"],
+     r"error: command line: --eval.num_fewshot = 2 needs fewshot_path"),
+    (["--eval.tasks", "generate_until:{gsm}", "--eval.max_gen_toks", "60"],
+     r"error: command line: --eval.max_gen_toks = 60: leaves no room for a question in \[training\] seq_len 64"),
+    (["--eval.tasks", "generate_until:{lambada}"], r"error: .*lambada.jsonl:1: expected a string \"question\""),
 ])
 def test_bad_eval_input_is_one_line_exit_2(tmp_path, task_files, flags, message):
+    (tmp_path / "gsm.jsonl").write_text(_lines(QUESTIONS))
+    flags = [f.format(gsm=tmp_path / "gsm.jsonl", lambada=task_files["lambada"]) for f in flags]
     args = [*tiny_args(tmp_path), "--eval.tasks", f"lambada:{task_files['lambada']}",
             "--eval.checkpoint", str(tmp_path), *flags]
     p = subprocess.run([sys.executable, "-m", "torchtitan_xla.eval", *args], capture_output=True,
@@ -338,3 +345,112 @@ def test_the_native_runtime_evaluates_at_the_end_as_the_cli_on_its_export(tmp_pa
     at_end = json.loads((run["folder"] / "eval_results.json").read_text())
     cli, _ = _ours(tmp_path / "cli", 1, run["folder"] / "checkpoint" / "step-3-hf", task_files)
     _same_scores(at_end, cli)
+
+
+# ---- generate_until ------------------------------------------------------------------------------
+
+QUESTIONS = [
+    {"question": "What is 2 plus 3?", "answer": "2 plus 3 is 5.\n#### 5"},
+    {"question": "A list has 4 items and gets 2 more. How many items?", "answer": "4 + 2 = 6\n#### 6"},
+    {"question": "How many bytes are in a kibibyte?", "answer": "#### 1,024"},
+    {"question": "def f(): return 7\nWhat does f() return?", "answer": "It returns 7.\n#### 7"},
+    {"question": "Name a loop keyword.", "answer": "for\n#### 0"},
+]
+SHOTS = [{"question": "Tom has 3 apples and eats 1. How many are left?", "answer": "3 - 1 = 2\n#### 2"},
+         {"question": "What is 10 times 10?", "answer": "10 * 10 = 100\n#### 100"}]
+# lm-eval's gsm8k (strict-match), on local files, with its first-n few-shot sampler.
+GSM8K_YAML = """\
+task: tx_gen
+dataset_path: json
+dataset_kwargs:
+  data_files: {{test: {test}, train: {train}}}
+test_split: test
+fewshot_split: train
+fewshot_config: {{sampler: first_n}}
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs: {{until: ["Question:", "</s>", "<|im_end|>"], do_sample: false, temperature: 0.0, max_gen_toks: 16}}
+filter_list:
+  - name: strict-match
+    filter: [{{function: regex, regex_pattern: "#### (\\\\-?[0-9\\\\.\\\\,]+)"}}, {{function: take_first}}]
+metric_list:
+  - {{metric: exact_match, aggregation: mean, higher_is_better: true, ignore_case: true,
+     ignore_punctuation: false, regexes_to_ignore: [",", "\\\\$", "(?s).*#### ", "\\\\.$"]}}
+"""
+# Answers that exercise the extraction and the normalisation, scored by lm-eval's own filter and metric.
+CRAFTED = [("so the total is #### 1,234.", "#### 1234"), ("#### $5", "#### 5"), ("no number here", "#### 3"),
+           ("#### 7 and then #### 8", "#### 8"), ("#### -2.", "x\n#### -2"), ("####  9", "#### 9")]
+
+_LM_EVAL_GENERATE = """
+import json, sys
+import lm_eval
+from lm_eval.api.metrics import exact_match_hf_evaluate
+from lm_eval.filters.extraction import RegexFilter
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+hf_dir, include, crafted = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+lm = HFLM(pretrained=hf_dir, dtype="float32", max_length=64, batch_size=4, device="cpu")
+res = lm_eval.simple_evaluate(model=lm, tasks=["tx_gen"], task_manager=TaskManager(include_path=include),
+                              num_fewshot=2, log_samples=True)
+samples = sorted(res["samples"]["tx_gen"], key=lambda s: s["doc_id"])
+regex = RegexFilter(regex_pattern="#### (\\\\-?[0-9\\\\.\\\\,]+)")
+extracted = [r[0] for r in regex.apply([[c] for c, _ in crafted], None)]
+match = [exact_match_hf_evaluate([e], [ref], ignore_case=True, ignore_punctuation=False,
+                                 regexes_to_ignore=[",", "\\\\$", "(?s).*#### ", "\\\\.$"])["exact_match"]
+         for e, (_, ref) in zip(extracted, crafted)]
+print("LM_EVAL " + json.dumps({"results": res["results"]["tx_gen"], "contexts": [s["arguments"][0][0] for s in samples],
+                               "resps": [s["resps"][0][0] for s in samples],
+                               "filtered": [s["filtered_resps"][0] for s in samples],
+                               "crafted": [extracted, match]}, default=float))
+"""
+
+
+@pytest.fixture(scope="module")
+def generated(straight, tmp_path_factory):
+    """GSM8K-style questions, 2-shot, on the shared run's export: ours on one device and from its
+    checkpoint on fsdp=4 x tp=2 (seq_len 64, 16 new tokens, batches of 4: the second padded), and
+    lm-eval's HF model (max_length 64)."""
+    pytest.importorskip("lm_eval")
+    folder = tmp_path_factory.mktemp("gen")
+    (folder / "gsm.jsonl").write_text(_lines(QUESTIONS))
+    (folder / "shots.jsonl").write_text(_lines(SHOTS))
+    flags = ["--eval.num_fewshot", "2", "--eval.fewshot_path", str(folder / "shots.jsonl"),
+             "--eval.max_gen_toks", "16"]
+    task = {"generate_until": folder / "gsm.jsonl"}
+    hf_dir = straight[0] / "checkpoint" / "step-6-hf"
+    ours, _ = _ours(folder / "one", 1, hf_dir, task, *flags)
+    sharded, _ = _ours(folder / "eight", 8, straight[0] / "checkpoint" / "step-6", task, *flags,
+                       "--parallelism.tensor_parallel_degree", "2")
+    (folder / "tx_gen.yaml").write_text(GSM8K_YAML.format(test=folder / "gsm.jsonl", train=folder / "shots.jsonl"))
+    p = subprocess.run([sys.executable, "-c", _LM_EVAL_GENERATE, str(hf_dir), str(folder), json.dumps(CRAFTED)],
+                       capture_output=True, text=True, timeout=600,
+                       env=_env(1, {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ours, sharded, json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("LM_EVAL "))[8:])
+
+
+def test_generate_until_equals_lm_eval_request_by_request(generated):
+    """The prompts (few-shot, left-truncated to 48 tokens as lm-eval cuts them), the greedy
+    completions cut at the stop strings, the extracted answers and exact_match: lm-eval's, one
+    question at a time; fsdp x tp generates the same text."""
+    from torchtitan_xla.eval.tasks import Task, contexts, extract_answer
+
+    ours, sharded, reference = generated
+    name = "generate_until:gsm.jsonl"
+    assert contexts(Task("generate_until", REPO, QUESTIONS), SHOTS) == reference["contexts"]
+    assert ours["samples"][name] == reference["resps"]
+    assert [extract_answer(c) for c in ours["samples"][name]] == reference["filtered"]
+    assert ours["results"][name]["exact_match"] == reference["results"]["exact_match,strict-match"]
+    assert sharded["samples"][name] == ours["samples"][name]
+    assert any(len(c) > 20 for c in reference["resps"])  # something was generated
+
+
+def test_answer_extraction_and_exact_match_equal_lm_evals_filter_and_metric(generated):
+    from torchtitan_xla.eval.tasks import exact_match, extract_answer
+
+    extracted, matches = generated[2]["crafted"]
+    assert [extract_answer(c) for c, _ in CRAFTED] == extracted
+    assert [float(exact_match(e, ref)) for e, (_, ref) in zip(extracted, CRAFTED)] == matches
+    assert 0 < sum(matches) < len(matches) and "[invalid]" in extracted  # both outcomes exercised

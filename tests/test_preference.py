@@ -148,7 +148,7 @@ def test_losses_and_gradients_equal_trls_formulas_on_transformers(kind, tokenize
 
     hf_policy, hf_reference = hfs
     # TRL's batch: each row's real tokens only (no padding), as its collator pads them.
-    theirs_logps, counts, nll = [], [], []
+    theirs_logps, counts = [], []
     for row in range(inputs.shape[0]):
         n = int((documents[row] == 1).sum())
         ids, row_labels = inputs[row:row + 1, :n], labels[row:row + 1, :n]

@@ -43,6 +43,14 @@ def weights_folder(given: str, job_config: JobConfig, key: str) -> tuple[str | P
     return path, False
 
 
+def inference_config(job_config: JobConfig) -> JobConfig:
+    """The config without what only training needs: no activation checkpointing and no scan over
+    the layers (generation runs each block with its cache as it is)."""
+    return dataclasses.replace(
+        job_config, compile=dataclasses.replace(job_config.compile, scan_layers=False),
+        activation_checkpoint=dataclasses.replace(job_config.activation_checkpoint, mode="none"))
+
+
 @dataclasses.dataclass
 class Loaded:
     model: object

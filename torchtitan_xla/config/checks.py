@@ -87,7 +87,7 @@ def _check_objective(cfg: JobConfig, sources) -> None:
     pairs = t.dataset in PREFERENCE_DATASETS
     if (t.objective == "lm") == pairs:
         raise ConfigError(f"{objective} = {t.objective!r} with {dataset} = {t.dataset!r}: "
-                          + (f"preference pairs need a preference objective (dpo, ipo, simpo or orpo)"
+                          + ("preference pairs need a preference objective (dpo, ipo, simpo or orpo)"
                              if pairs else f"{t.objective} trains on preference pairs (dataset "
                              f"preference or python_docs_preference)"))
     if not pairs:

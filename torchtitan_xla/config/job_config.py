@@ -239,8 +239,9 @@ class Validation:
 @dataclass
 class Eval:
     tasks: list[str] = opt(
-        [], "Zero-shot tasks from local files, each kind:path with kind perplexity, lambada or "
-        "multiple_choice (docs/evaluation.md).")
+        [], "Tasks from local files, each kind:path with kind perplexity, lambada or "
+        "multiple_choice (scored by log-likelihood), or generate_until (GSM8K-style questions "
+        "answered by greedy generation; docs/evaluation.md).")
     checkpoint: str = opt(
         "", "python -m torchtitan_xla.eval: the weights, a checkpoint step folder or a HuggingFace "
         "folder; empty: the newest checkpoint in [checkpoint] folder.")
@@ -248,6 +249,12 @@ class Eval:
     output_file: str = opt(
         "eval_results.json", "Scores and per-request log-likelihoods (JSON), inside dump_folder.")
     at_end: bool = opt(False, "train.py: evaluate the tasks after the last step.")
+    num_fewshot: int = opt(
+        0, "generate_until: examples before each question, the first of fewshot_path.", ge=0)
+    fewshot_path: str = opt("", "generate_until: JSON lines of solved examples, as the task's.")
+    until: list[str] = opt(["Question:", "</s>", "<|im_end|>"],
+                           "generate_until: stop strings (GSM8K's; EOS always stops).")
+    max_gen_toks: int = opt(256, "generate_until: tokens generated at most per question.", gt=0)
 
 
 @dataclass

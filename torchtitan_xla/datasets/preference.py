@@ -27,8 +27,6 @@ import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from torchtitan_xla.datasets import chat
 from torchtitan_xla.datasets.packing import ChatDataset
 from torchtitan_xla.errors import ConfigError
@@ -76,26 +74,6 @@ def _answer(record: dict, key: str) -> str:
     raise ConfigError(f"{key!r}: expected a string or a list of one assistant message")
 
 
-def pairs_in(file: str) -> Iterator[Pair]:
-    """The pairs of a JSON-lines file; a bad line stops the run with its file and line number."""
-    from torchtitan_xla.datasets.sources import open_text
-
-    lineno = 0
-    try:
-        with open_text(file) as fh:
-            for lineno, line in enumerate(fh, 1):  # noqa: B007
-                if not line.strip():
-                    continue
-                try:
-                    yield parse_pair(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
-                except ConfigError as e:
-                    raise ConfigError(f"{file}:{lineno}: {e}") from None
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
-
-
 def embedded_pairs(topics: list[list[list[chat.Message]]]) -> list[Pair]:
     """The embedded set's pairs: each conversation's last answer is chosen over the answer at the
     same place in the next topic (about something else, so the preference is clear)."""
@@ -112,7 +90,8 @@ def encode_pairs(pairs) -> Iterator[dict[str, str]]:
         yield {"pair": json.dumps([prompt, chosen, rejected])}
 
 
-def completion_row(prompt: list[chat.Message], answer: str, tokenizer: Tokenizer) -> tuple[list[int], list[int], int]:
+def completion_row(prompt: list[chat.Message], answer: str,
+                   tokenizer: Tokenizer) -> tuple[list[int], list[int], int]:
     """(inputs, labels, prompt length in tokens) of the prompt answered by `answer`, uncut; labels
     are -100 except on the final answer's tokens."""
     ids, trained = chat.render([*prompt, {"role": "assistant", "content": answer}], tokenizer)
@@ -183,13 +162,3 @@ class PreferenceDataset(ChatDataset):
         self._pending = [(list(x), list(y)) for x, y in state["pending"]]
         self._row = []
 
-
-def pad_rows(rows: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Rows of (inputs, labels) as a batch in the four columns, each row one document."""
-    columns = [[], [], [], []]
-    for x, y in rows:
-        pad = seq_len - len(x)
-        for column, values in zip(columns, (x + [pad_id] * pad, y + [IGNORE_INDEX] * pad,
-                                            [*range(len(x)), *[0] * pad], [1] * len(x) + [0] * pad)):
-            column.append(values)
-    return tuple(torch.tensor(c, dtype=torch.long) for c in columns)

@@ -14,9 +14,9 @@ import fnmatch
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torchtitan_xla import storage
 from torchtitan_xla.errors import ConfigError, first_line
@@ -24,6 +24,7 @@ from torchtitan_xla.errors import ConfigError, first_line
 if TYPE_CHECKING:
     import datasets
 
+T = TypeVar("T")
 C4_HUB_ID = "allenai/c4"
 DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
                  "python_docs_chat", "preference", "python_docs_preference")
@@ -87,11 +88,9 @@ def _read_paragraphs(files: list[str]) -> Iterator[dict[str, str]]:
             raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
 
 
-def _conversations_in(file: str) -> Iterator[list[dict[str, str]]]:
-    """The conversations of a JSON-lines file (chat.py's records), each as its messages; a bad
-    line stops the run with its file and line number."""
-    from torchtitan_xla.datasets.chat import parse_conversation
-
+def records_in(file: str, parse: Callable[[object], T]) -> Iterator[T]:
+    """`parse` of each JSON line of a file (blank lines skipped); a bad line stops the run with
+    its file, line number and what `parse` found wrong."""
     lineno = 0
     try:
         with open_text(file) as fh:
@@ -99,14 +98,21 @@ def _conversations_in(file: str) -> Iterator[list[dict[str, str]]]:
                 if not line.strip():
                     continue
                 try:
-                    messages = parse_conversation(json.loads(line))
+                    record = parse(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
                 except ConfigError as e:
                     raise ConfigError(f"{file}:{lineno}: {e}") from None
-                yield messages
+                yield record
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise ConfigError(f"{file}: unreadable after line {lineno} ({e})") from None
+
+
+def _conversations_in(file: str) -> Iterator[list[dict[str, str]]]:
+    """The conversations of a JSON-lines file (chat.py's records), each as its messages."""
+    from torchtitan_xla.datasets.chat import parse_conversation
+
+    return records_in(file, parse_conversation)
 
 
 def _read_conversations(files: list[str]) -> Iterator[dict[str, str]]:
@@ -323,7 +329,7 @@ def _preference(path: str, split: str) -> datasets.IterableDataset:
 
     _only_train("preference", split)
     files = _local_files(path, JSON_SUFFIXES, "preference")
-    pairs = [pair for file in files for pair in preference.pairs_in(file)]  # checked whole, now
+    pairs = [pair for file in files for pair in records_in(file, preference.parse_pair)]  # checked now
     return _from_generator(preference.encode_pairs, column="pair", pairs=pairs)
 
 

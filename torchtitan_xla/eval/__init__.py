@@ -14,7 +14,15 @@ from torchtitan_xla import storage
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.eval.scorer import Scorer, pair_tokens, rolling_windows
-from torchtitan_xla.eval.tasks import Task, metrics, parse_task, requests
+from torchtitan_xla.eval.tasks import (
+    GENERATIVE,
+    Task,
+    contexts,
+    fewshot_docs,
+    metrics,
+    parse_task,
+    requests,
+)
 from torchtitan_xla.logging import logger
 
 __all__ = ["Task", "evaluate", "parse_task", "write_results"]
@@ -22,7 +30,8 @@ __all__ = ["Task", "evaluate", "parse_task", "write_results"]
 
 def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: list[Task], *,
              dp_degree: int, device, sharding, progress: bool = True) -> dict:
-    """{"results": {task: {metric: value}}, "samples": {task: [[log-likelihood, greedy], ...]}}."""
+    """{"results": {task: {metric: value}}, "samples": {task: [[log-likelihood, greedy], ...]}}
+    (generate_until: {task: [completion, ...]})."""
     e, seq_len = job_config.eval, job_config.training.seq_len
     if e.batch_size % dp_degree:
         raise ConfigError(f"[eval] batch_size = {e.batch_size}: must be a multiple of the "
@@ -31,6 +40,11 @@ def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: li
                     step_compiler=job_config.compile.step, progress=progress)
     out = {"results": {}, "samples": {}}
     for task in tasks:
+        if task.kind in GENERATIVE:
+            completions = generate_until(model, tokenizer, job_config, task, device=device)
+            out["results"][task.name] = metrics(task, completions)
+            out["samples"][task.name] = completions
+            continue
         if task.kind == "perplexity":
             documents = [tokenizer.encode(text, bos=False, eos=False) for _, text in requests(task)]
             windows = [rolling_windows(tokens, tokenizer.prefix_id, seq_len) for tokens in documents]
@@ -45,6 +59,32 @@ def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: li
         out["results"][task.name] = metrics(task, results)
         out["samples"][task.name] = [[ll, greedy] for ll, greedy, _ in results]
     return out
+
+
+def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, device) -> list[str]:
+    """Each question's greedy completion, cut before the first stop string, as lm-eval's HF model
+    makes it: the context encoded with BOS and left-truncated to seq_len - max_gen_toks tokens
+    (here rounded down to the generator's 16-token buckets), EOS ends a completion."""
+    from torchtitan_xla.datasets.chat import pad_id
+    from torchtitan_xla.generate import Generator
+
+    e, seq_len = job_config.eval, job_config.training.seq_len
+    room = (seq_len - e.max_gen_toks) // 16 * 16
+    prompts = [tokenizer.encode(c, bos=True, eos=False)[-room:]
+               for c in contexts(task, fewshot_docs(e, seq_len))]
+    generator = Generator(model, cache_size=seq_len, batch_size=e.batch_size, device=device,
+                          eos_ids=[tokenizer.eos_id], pad_id=pad_id(tokenizer),
+                          decode_text=tokenizer.decode)
+    # The text without special tokens, as lm-eval decodes it (skip_special_tokens=True).
+    special = {tokenizer.bos_id, tokenizer.eos_id, *(getattr(tokenizer, "special_tokens", None) or {}).values()}
+    completions = []
+    for completion in generator(prompts, e.max_gen_toks, stop=e.until):
+        text = tokenizer.decode([t for t in completion.tokens if t not in special])
+        for stop in e.until:
+            text = text.split(stop)[0]
+        completions.append(text)
+    logger.info(f"{task.name}: {len(prompts)} completions, {generator.stats.summary()}")
+    return completions
 
 
 def write_results(out: dict, path: str | Path) -> None:

@@ -18,7 +18,7 @@ from torchtitan_xla.errors import ConfigError, run_main
 
 USAGE = ("usage: python -m torchtitan_xla.eval --job.config_file FILE --eval.tasks KIND:PATH[,...] "
          "[--eval.checkpoint STEP_OR_HF_FOLDER] [--section.key VALUE ...]\n\n"
-         "Zero-shot tasks (multiple_choice, lambada, perplexity; docs/evaluation.md) on a checkpoint "
+         "Tasks (multiple_choice, lambada, perplexity, generate_until; docs/evaluation.md) on a checkpoint "
          "step, a HuggingFace folder, or (unset) the newest checkpoint of the config's run. The "
          "options are train.py's:")
 
@@ -32,7 +32,8 @@ def main(job_config: JobConfig) -> dict:
                       else "replay")
 
     from torchtitan_xla.eval import evaluate, parse_task, write_results
-    from torchtitan_xla.inference import load_model, weights_folder
+    from torchtitan_xla.eval.tasks import GENERATIVE, fewshot_docs
+    from torchtitan_xla.inference import inference_config, load_model, weights_folder
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.parallelisms import BATCH_AXES
     from torchtitan_xla.storage import check_writable, join
@@ -41,10 +42,12 @@ def main(job_config: JobConfig) -> dict:
     tasks = [parse_task(spec) for spec in job_config.eval.tasks]
     if not tasks:
         raise ConfigError("[eval] tasks: none given; e.g. --eval.tasks multiple_choice:boolq.jsonl")
+    if any(t.kind in GENERATIVE for t in tasks):
+        fewshot_docs(job_config.eval, job_config.training.seq_len)  # checked before the model loads
     path, is_hf = weights_folder(job_config.eval.checkpoint, job_config, "[eval] checkpoint")
     out_file = join(job_config.job.dump_folder, job_config.eval.output_file)
     check_writable(job_config.job.dump_folder, "[job] dump_folder")
-    loaded = load_model(job_config, path, is_hf, "[eval] checkpoint")
+    loaded = load_model(inference_config(job_config), path, is_hf, "[eval] checkpoint")
     model, mesh = loaded.model, loaded.mesh
     logger.info(f"Evaluating {path} ({model.num_params():,} parameters) on {len(tasks)} task(s)")
     out = evaluate(model, loaded.tokenizer, job_config, tasks, dp_degree=loaded.parallel_dims.dp_degree,

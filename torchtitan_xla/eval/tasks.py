@@ -12,6 +12,12 @@ whole document's log-likelihood (lm-eval's loglikelihood_rolling) instead.
 - `multiple_choice`: JSON lines {"context": ..., "choices": [...], "label": i}; each continuation
   is " " + choice: acc (highest summed log-likelihood) and acc_norm (divided by the choice's
   length in characters), as lm-eval's multiple_choice tasks (BoolQ, HellaSwag, PIQA).
+- `generate_until`: JSON lines {"question": ..., "answer": ...} (GSM8K's fields). Each question
+  is asked as lm-eval's gsm8k task asks it: `[eval] num_fewshot` solved examples (the first of
+  `fewshot_path`) then "Question: {question}\nAnswer:", answered by greedy generation until a
+  stop string (`[eval] until`) or EOS; the answer is the first number after "#### " ("[invalid]"
+  when there is none) and its exact_match is GSM8K's strict-match (",", "$", a trailing "." and
+  all up to "#### " ignored, case ignored).
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ from pathlib import Path
 
 from torchtitan_xla.errors import ConfigError
 
-KINDS = ("perplexity", "lambada", "multiple_choice")
+KINDS = ("perplexity", "lambada", "multiple_choice", "generate_until")
+GENERATIVE = ("generate_until",)
+# GSM8K's strict-match: the answer's regex, and what exact_match ignores in both strings.
+ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+IGNORED = (",", "\\$", "(?s).*#### ", "\\.$")
+INVALID = "[invalid]"
 
 
 @dataclass
@@ -38,6 +49,18 @@ class Task:
         return f"{self.kind}:{self.path.name}"
 
 
+def read_docs(kind: str, file: Path) -> list[dict]:
+    """The checked JSON-lines documents of a task file (or a few-shot file of its kind)."""
+    docs = []
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                docs.append(_check(kind, line, f"{file}:{number}"))
+    if not docs:
+        raise ConfigError(f"[eval] tasks: {file}: no documents")
+    return docs
+
+
 def parse_task(spec: str) -> Task:
     """`kind:path` -> the Task with its documents read and checked (a bad line names file:line)."""
     kind, sep, path = spec.partition(":")
@@ -49,14 +72,7 @@ def parse_task(spec: str) -> Task:
     if kind == "perplexity" and file.suffix == ".txt":
         text = file.read_text(encoding="utf-8")
         return Task(kind, file, [{"text": d.strip()} for d in re.split(r"\n\s*\n", text) if d.strip()])
-    docs = []
-    with file.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                docs.append(_check(kind, line, f"{file}:{number}"))
-    if not docs:
-        raise ConfigError(f"[eval] tasks: {file}: no documents")
-    return Task(kind, file, docs)
+    return Task(kind, file, read_docs(kind, file))
 
 
 def _check(kind: str, line: str, where: str) -> dict:
@@ -71,6 +87,11 @@ def _check(kind: str, line: str, where: str) -> dict:
             raise ConfigError(f"{where}: expected a non-empty string \"text\"")
         if kind == "lambada" and " " not in doc["text"].strip():
             raise ConfigError(f"{where}: \"text\" needs a context and a last word")
+        return doc
+    if kind == "generate_until":
+        for key in ("question", "answer"):
+            if not isinstance(doc.get(key), str):
+                raise ConfigError(f"{where}: expected a string \"{key}\"")
         return doc
     choices, label = doc.get("choices"), doc.get("label")
     if not isinstance(doc.get("context"), str):
@@ -94,7 +115,49 @@ def requests(task: Task) -> list[tuple[str, str]]:
     return [(d["context"], " " + choice) for d in task.docs for choice in d["choices"]]
 
 
-def metrics(task: Task, results: list[tuple[float, bool, int]]) -> dict[str, float]:
+def fewshot_docs(e, seq_len: int) -> list[dict]:
+    """generate_until's solved examples (`e`: [eval]), checked: the first num_fewshot of
+    fewshot_path, and room for a question beside max_gen_toks in seq_len."""
+    if e.max_gen_toks + 16 > seq_len:
+        raise ConfigError(f"[eval] max_gen_toks = {e.max_gen_toks}: leaves no room for a question "
+                          f"in [training] seq_len {seq_len} (at least 16 tokens)")
+    if not e.num_fewshot:
+        return []
+    if not e.fewshot_path:
+        raise ConfigError(f"[eval] num_fewshot = {e.num_fewshot} needs fewshot_path (JSON lines "
+                          f"of solved examples)")
+    file = Path(e.fewshot_path)
+    if not file.is_file():
+        raise ConfigError(f"[eval] fewshot_path: no such file {file}")
+    docs = read_docs("generate_until", file)
+    if len(docs) < e.num_fewshot:
+        raise ConfigError(f"[eval] num_fewshot = {e.num_fewshot}: {file} has {len(docs)} examples")
+    return docs[:e.num_fewshot]
+
+
+def contexts(task: Task, fewshot: list[dict]) -> list[str]:
+    """generate_until: each question's prompt, after the solved examples (lm-eval's gsm8k:
+    doc_to_text, target delimiter " ", few-shot delimiter "\\n\\n")."""
+    shots = "".join(f"Question: {d['question']}\nAnswer: {d['answer']}\n\n" for d in fewshot)
+    return [f"{shots}Question: {d['question']}\nAnswer:" for d in task.docs]
+
+
+def extract_answer(completion: str) -> str:
+    """lm-eval's regex filter then take_first: the first match's group, stripped."""
+    found = ANSWER.findall(completion)
+    return found[0].strip() if found else INVALID
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    def normalise(text: str) -> str:
+        for pattern in IGNORED:
+            text = re.sub(pattern, "", text)
+        return text.lower()
+
+    return normalise(prediction) == normalise(reference)
+
+
+def metrics(task: Task, results: list) -> dict[str, float]:
     """Aggregate (log-likelihood, greedy, tokens) per request into the task's metrics."""
     if task.kind == "perplexity":
         ll = sum(r[0] for r in results)
@@ -103,6 +166,9 @@ def metrics(task: Task, results: list[tuple[float, bool, int]]) -> dict[str, flo
         nbytes = sum(len(d["text"].encode("utf-8")) for d in task.docs)
         return {"token_perplexity": math.exp(-ll / tokens), "word_perplexity": math.exp(-ll / words),
                 "byte_perplexity": math.exp(-ll / nbytes), "bits_per_byte": -ll / nbytes / math.log(2)}
+    if task.kind == "generate_until":  # results: the completions
+        hits = [exact_match(extract_answer(c), d["answer"]) for c, d in zip(results, task.docs)]
+        return {"exact_match": sum(hits) / len(hits)}
     if task.kind == "lambada":
         return {"acc": sum(r[1] for r in results) / len(results),
                 "perplexity": math.exp(-sum(r[0] for r in results) / len(results))}

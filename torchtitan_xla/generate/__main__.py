@@ -14,7 +14,6 @@ config's run; the KV cache holds [training] seq_len tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -86,7 +85,7 @@ def main(job_config: JobConfig) -> list[dict]:
     from torchtitan_xla.datasets import build_tokenizer
     from torchtitan_xla.datasets.chat import end_of_turn_ids, pad_id
     from torchtitan_xla.generate import Generator, Sampling, check_fits
-    from torchtitan_xla.inference import load_model, weights_folder
+    from torchtitan_xla.inference import inference_config, load_model, weights_folder
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.storage import check_writable, join
 
@@ -103,11 +102,8 @@ def main(job_config: JobConfig) -> list[dict]:
     check_writable(str(Path(out_file).parent) if cfg.output else job_config.job.dump_folder,
                    "[generate] output" if cfg.output else "[job] dump_folder")
     path, is_hf = weights_folder(cfg.checkpoint, job_config, "[generate] checkpoint")
-    # Generation runs each block as it is: no activation checkpointing, no scan over the layers.
-    plain = dataclasses.replace(
-        job_config, compile=dataclasses.replace(job_config.compile, scan_layers=False),
-        activation_checkpoint=dataclasses.replace(job_config.activation_checkpoint, mode="none"))
-    loaded = load_model(plain, path, is_hf, "[generate] checkpoint", tokenizer=tokenizer)
+    loaded = load_model(inference_config(job_config), path, is_hf, "[generate] checkpoint",
+                        tokenizer=tokenizer)
     if cfg.batch_size % loaded.parallel_dims.dp_degree:
         raise ConfigError(f"[generate] batch_size = {cfg.batch_size}: not a multiple of the "
                           f"data-parallel degree {loaded.parallel_dims.dp_degree}")
