@@ -76,7 +76,8 @@ def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, devic
                           eos_ids=[tokenizer.eos_id], pad_id=pad_id(tokenizer),
                           decode_text=tokenizer.decode)
     # The text without special tokens, as lm-eval decodes it (skip_special_tokens=True).
-    special = {tokenizer.bos_id, tokenizer.eos_id, *(getattr(tokenizer, "special_tokens", None) or {}).values()}
+    special = {tokenizer.bos_id, tokenizer.eos_id,
+               *(getattr(tokenizer, "special_tokens", None) or {}).values()}
     completions = []
     for completion in generator(prompts, e.max_gen_toks, stop=e.until):
         text = tokenizer.decode([t for t in completion.tokens if t not in special])
