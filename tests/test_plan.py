@@ -207,8 +207,9 @@ def test_every_recipe_fits_its_slice(recipe, recipe_plans):
         other = ("not on the native runtime yet: [training] objective = 'dpo', the preference objectives "
                  "are tested on the XLA runtime only")
         # The frozen reference model is counted: a float32 copy of the weights, sharded as they are.
-        assert out.splitlines()[6] == out.splitlines()[3].split("(")[0].replace("parameters", "reference") \
-            + "(dpo's frozen reference model, float32)"
+        parameters, reference = out.splitlines()[3].split(), out.splitlines()[6].split()
+        assert reference[:3] == ["reference", parameters[1], "GiB"] and parameters[0] == "parameters"
+        assert out.splitlines()[6].endswith("(dpo's frozen reference model, float32)")
     assert out.splitlines()[1] == f"runtime: xla (torch_xla SPMD: one process per host); {other}"
 
 

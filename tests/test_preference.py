@@ -226,7 +226,10 @@ def dpo_runs(straight, tmp_path_factory):
             ("1 device", 1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
                              "--checkpoint.last_save_in_hf"]),
             ("fsdp4 x tp2", 8, ["--training.local_batch_size", "2",
-                                "--parallelism.tensor_parallel_degree", "2"])):
+                                "--parallelism.tensor_parallel_degree", "2"]),
+            # LoRA: the reference is the policy with its adapters switched off.
+            ("lora", 1, ["--training.local_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
+                         "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"])):
         folder = tmp_path_factory.mktemp(mesh.replace(" ", ""))
         result = train_many({mesh: tiny_args(folder, *DPO, *_from_hf(straight), *extra)},
                             devices=devices, model_overrides=TWO_BLOCKS)
@@ -262,6 +265,18 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     rewards = 0.1 * (margins[0] - margins[1])  # beta x (policy margin - reference margin)
     accuracy = (rewards > 0).float().mean().item()
     assert accuracy >= 0.7 and rewards.mean() > 0, (accuracy, rewards.mean())
+
+
+def test_lora_dpo_uses_the_base_model_as_its_reference(dpo_runs):
+    """A LoRA run keeps no copy of the weights: its reference is the policy with the adapters off.
+    Its first loss is log 2 (B starts at zero); after that the policy moves away from the base, so
+    the loss leaves log 2. A reference that kept its adapters would be the policy itself, and every
+    loss would stay log 2. The adapters export as a PEFT folder, as for SFT."""
+    folder, lora = dpo_runs["lora"][:2]
+    assert lora["losses"][1] == pytest.approx(0.6931472, abs=1e-6)
+    assert max(abs(lora["losses"][s] - 0.6931472) for s in (2, 3, 4, 5, 6)) > 1e-3, lora["losses"]
+    assert (folder / "checkpoint" / "step-6-peft" / "adapter_config.json").is_file()
+    assert (folder / "checkpoint" / "step-6-hf" / "config.json").is_file()
 
 
 def test_dpo_resumes_bit_exactly(dpo_runs, straight):
