@@ -88,8 +88,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.last_save_in_hf:
         check_writable(join(dump_folder, job_config.checkpoint.folder), "[checkpoint] folder")
     check_initial_load_path(ckpt)  # also when a resume will not read it
-    if job_config.training.objective in ("dpo", "ipo"):
-        reference_source(job_config)  # the reference model's folder exists
+    reference_source(job_config)  # dpo, ipo: the reference model's folder exists
 
     # Devices: one mesh over every device of every host (XLA: SPMD from its first call on; native:
     # the process group of one process per device).

@@ -23,8 +23,8 @@ KEY = "[preference] reference"
 
 
 def reference_source(job_config: JobConfig) -> str | None:
-    """The folder the reference is read from (None: the policy with its adapters off), checked
-    before the runtime starts."""
+    """The folder the reference is read from, checked before the runtime starts; None where no
+    copy is kept (an objective without a reference, or LoRA's base: the adapters switched off)."""
     from torchtitan_xla.inference import weights_folder
 
     if not copies_reference(job_config):
@@ -46,7 +46,7 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
     parallel_dims)."""
     import contextlib
 
-    from torchtitan_xla.inference import load_model, weights_folder
+    from torchtitan_xla.inference import inference_config, load_model, weights_folder
     from torchtitan_xla.lora import adapters_disabled
 
     source = reference_source(job_config)
@@ -54,7 +54,9 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
         model, switch = policy, lambda: adapters_disabled(policy)
     else:
         folder, is_hf = weights_folder(source, job_config, KEY)
-        model = load_model(job_config, folder, is_hf, KEY, tokenizer=tokenizer, on=on).model
+        # No activation checkpointing or scan: it runs forward only, without gradients.
+        model = load_model(inference_config(job_config), folder, is_hf, KEY, tokenizer=tokenizer,
+                           on=on).model
         _check_same_shapes(model, policy, source)
         model.requires_grad_(False)
         switch = contextlib.nullcontext
