@@ -89,6 +89,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         check_writable(join(dump_folder, job_config.checkpoint.folder), "[checkpoint] folder")
     check_initial_load_path(ckpt)  # also when a resume will not read it
     reference_source(job_config)  # dpo, ipo: the reference model's folder exists
+    if job_config.eval.at_end and any(t.startswith("generate_until:") for t in job_config.eval.tasks):
+        raise ConfigError("[eval] at_end = true: generate_until tasks run from the saved checkpoint "
+                          "only, with python -m torchtitan_xla.eval")
 
     # Devices: one mesh over every device of every host (XLA: SPMD from its first call on; native:
     # the process group of one process per device).
@@ -224,9 +227,6 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if eval_tasks and host_count > 1 and not runtime.PROCESS_PER_DEVICE:
         raise ConfigError("[eval] at_end = true runs on one host only on the XLA runtime; evaluate "
                           "the saved checkpoint with python -m torchtitan_xla.eval")
-    if any(t.kind == "generate_until" for t in eval_tasks):
-        raise ConfigError("[eval] at_end = true: generate_until tasks run from the saved checkpoint "
-                          "only, with python -m torchtitan_xla.eval")
 
     # Inputs are all checked by now: the config is shown once it is known to start, and only from
     # here on does the run write anything.

@@ -454,3 +454,14 @@ def test_answer_extraction_and_exact_match_equal_lm_evals_filter_and_metric(gene
     assert [extract_answer(c) for c, _ in CRAFTED] == extracted
     assert [float(exact_match(e, ref)) for e, (_, ref) in zip(extracted, CRAFTED)] == matches
     assert 0 < sum(matches) < len(matches) and "[invalid]" in extracted  # both outcomes exercised
+
+
+def test_generation_stops_at_the_eos_ids_of_the_hf_folders_generation_config(tmp_path):
+    """transformers' generate stops at every id of generation_config.json's eos_token_id (else
+    config.json's): those are the ids generate_until stops at for a HuggingFace folder."""
+    from torchtitan_xla.inference import hf_eos_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert hf_eos_ids(tmp_path) == [2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert hf_eos_ids(tmp_path) == [128001, 128009]

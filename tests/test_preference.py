@@ -46,6 +46,22 @@ def tokenizer():
     return build_tokenizer("", "llama3")
 
 
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "p", "chosen": "c"}, "no 'rejected'"),
+    ({"prompt": [], "chosen": "c", "rejected": "r"}, "no messages"),
+    ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "chosen": "c", "rejected": "r"}, "a prompt ends with the user's turn"),
+    ({"prompt": "p", "chosen": [{"role": "user", "content": "c"}], "rejected": "r"},
+     "'chosen': expected a string or a list of one assistant message"),
+])
+def test_malformed_pairs_are_one_line(record, message):
+    from torchtitan_xla.datasets.preference import parse_pair
+    from torchtitan_xla.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_pair(record)
+
+
 def test_rows_hold_the_final_answer_only_and_come_in_pairs(tokenizer):
     """Each pair is two rows sharing the prompt's ids; only the final answer (and its end-of-turn
     token) is labelled, in the chosen row then the rejected row."""

@@ -43,6 +43,20 @@ def weights_folder(given: str, job_config: JobConfig, key: str) -> tuple[str | P
     return path, False
 
 
+def hf_eos_ids(folder: str | Path) -> list[int]:
+    """The ids transformers' `generate` stops at for a HuggingFace folder: generation_config.json's
+    eos_token_id, else config.json's (an id or a list; Llama 3.1 Instruct's include <|eot_id|>)."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        file = Path(folder) / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
 def inference_config(job_config: JobConfig) -> JobConfig:
     """The config without what only training needs: no activation checkpointing and no scan over
     the layers (generation runs each block with its cache as it is)."""
@@ -61,10 +75,12 @@ class Loaded:
 
 
 def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *,
-               parallelize: bool = True, tokenizer=None, on: tuple | None = None) -> Loaded:
+               parallelize: bool = True, tokenizer=None, on: tuple | None = None,
+               prepare=None) -> Loaded:
     """The model of `path` in eval mode on the config's mesh (a LoRA run's checkpoint merged), with
     the config's tokenizer (built here unless the caller has it); `max_seq_len` is [training]
-    seq_len. `on`: (device, mesh, parallel_dims) the caller has made already (train.py)."""
+    seq_len. `on`: (device, mesh, parallel_dims) the caller has made already (train.py);
+    `prepare(model)` runs on the model before it is materialised (kernels, as train.py applies)."""
     import torch
 
     from torchtitan_xla import runtime
@@ -98,6 +114,8 @@ def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *
                               model_args.ffn_hidden_dim, model_args.num_experts, model_args.n_layers)
     with torch.device("meta"):
         model = get_model_class(job_config.model.name)(model_args)
+    if prepare is not None:
+        prepare(model)
     model.to_empty(device=device)
     if parallelize:
         parallelize_llama(model, mesh, parallel_dims, job_config)

@@ -54,9 +54,11 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
         model, switch = policy, lambda: adapters_disabled(policy)
     else:
         folder, is_hf = weights_folder(source, job_config, KEY)
-        # No activation checkpointing or scan: it runs forward only, without gradients.
+        # No activation checkpointing or scan: it runs forward only, without gradients. The
+        # policy's attention kernel and expert matmuls, so that at the start both compute the
+        # same log-probabilities (float8 is left out: the reference runs its matmuls unscaled).
         model = load_model(inference_config(job_config), folder, is_hf, KEY, tokenizer=tokenizer,
-                           on=on).model
+                           on=on, prepare=lambda m: _policy_kernels(m, job_config, on[1])).model
         _check_same_shapes(model, policy, source)
         model.requires_grad_(False)
         switch = contextlib.nullcontext
@@ -69,6 +71,14 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
 
     return runtime.build_step("lazy", score, [*model.parameters(), *model.buffers()],
                               name="reference_step")
+
+
+def _policy_kernels(model: torch.nn.Module, job_config: JobConfig, mesh) -> None:
+    from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
+    from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
+
+    apply_attention_kernel(model, job_config.model.attention, mesh, runtime.device_type())
+    apply_grouped_mm(model, job_config.moe.grouped_mm, mesh, runtime.device_type())
 
 
 def _check_same_shapes(reference: torch.nn.Module, policy: torch.nn.Module, source: str) -> None:

@@ -87,6 +87,8 @@ def parse_conversation(record: object, final: str = "assistant") -> list[Message
 
 
 def _check_turns(messages: list[Message], final: str) -> None:
+    if not messages:
+        raise ConfigError(f"no messages ({SHAPE})")
     roles = [m["role"] for m in messages]
     for k, role in enumerate(roles, 1):
         if role not in ROLES:

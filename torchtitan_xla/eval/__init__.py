@@ -29,9 +29,11 @@ __all__ = ["Task", "evaluate", "parse_task", "write_results"]
 
 
 def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: list[Task], *,
-             dp_degree: int, device, sharding, progress: bool = True) -> dict:
+             dp_degree: int, device, sharding, progress: bool = True,
+             eos_ids: list[int] | None = None) -> dict:
     """{"results": {task: {metric: value}}, "samples": {task: [[log-likelihood, greedy], ...]}}
-    (generate_until: {task: [completion, ...]})."""
+    (generate_until: {task: [completion, ...]}; `eos_ids`: what ends a completion besides the
+    tokenizer's EOS, as an HF folder's generation config says)."""
     e, seq_len = job_config.eval, job_config.training.seq_len
     if e.batch_size % dp_degree:
         raise ConfigError(f"[eval] batch_size = {e.batch_size}: must be a multiple of the "
@@ -41,7 +43,8 @@ def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: li
     out = {"results": {}, "samples": {}}
     for task in tasks:
         if task.kind in GENERATIVE:
-            completions = generate_until(model, tokenizer, job_config, task, device=device)
+            completions = generate_until(model, tokenizer, job_config, task, device=device,
+                                         eos_ids=eos_ids or [])
             out["results"][task.name] = metrics(task, completions)
             out["samples"][task.name] = completions
             continue
@@ -61,7 +64,8 @@ def evaluate(model: torch.nn.Module, tokenizer, job_config: JobConfig, tasks: li
     return out
 
 
-def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, device) -> list[str]:
+def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, device,
+                   eos_ids: list[int]) -> list[str]:
     """Each question's greedy completion, cut before the first stop string, as lm-eval's HF model
     makes it: the context encoded with BOS and left-truncated to seq_len - max_gen_toks tokens
     (here rounded down to the generator's 16-token buckets), EOS ends a completion."""
@@ -70,10 +74,13 @@ def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, devic
 
     e, seq_len = job_config.eval, job_config.training.seq_len
     room = (seq_len - e.max_gen_toks) // 16 * 16
-    prompts = [tokenizer.encode(c, bos=True, eos=False)[-room:]
-               for c in contexts(task, fewshot_docs(e, seq_len))]
+    encoded = [tokenizer.encode(c, bos=True, eos=False) for c in contexts(task, fewshot_docs(e, seq_len))]
+    if any(len(p) > room for p in encoded):
+        logger.warning(f"{task.name}: {sum(len(p) > room for p in encoded)} prompt(s) longer than "
+                       f"{room} tokens (seq_len - max_gen_toks, in 16s) lose their left end")
+    prompts = [p[-room:] for p in encoded]
     generator = Generator(model, cache_size=seq_len, batch_size=e.batch_size, device=device,
-                          eos_ids=[tokenizer.eos_id], pad_id=pad_id(tokenizer),
+                          eos_ids=sorted({tokenizer.eos_id, *eos_ids}), pad_id=pad_id(tokenizer),
                           decode_text=tokenizer.decode)
     # The text without special tokens, as lm-eval decodes it (skip_special_tokens=True).
     special = {tokenizer.bos_id, tokenizer.eos_id,

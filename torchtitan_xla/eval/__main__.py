@@ -33,7 +33,7 @@ def main(job_config: JobConfig) -> dict:
 
     from torchtitan_xla.eval import evaluate, parse_task, write_results
     from torchtitan_xla.eval.tasks import GENERATIVE, fewshot_docs
-    from torchtitan_xla.inference import inference_config, load_model, weights_folder
+    from torchtitan_xla.inference import hf_eos_ids, inference_config, load_model, weights_folder
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.parallelisms import BATCH_AXES
     from torchtitan_xla.storage import check_writable, join
@@ -53,7 +53,7 @@ def main(job_config: JobConfig) -> dict:
     out = evaluate(model, loaded.tokenizer, job_config, tasks, dp_degree=loaded.parallel_dims.dp_degree,
                    device=loaded.device,
                    sharding=runtime.input_sharding(mesh, (BATCH_AXES, None)),
-                   progress=sys.stderr.isatty())
+                   progress=sys.stderr.isatty(), eos_ids=hf_eos_ids(path) if is_hf else None)
     write_results(out, out_file)
     return out
 
