@@ -80,7 +80,7 @@ def check_combinations(cfg: JobConfig, sources) -> None:
 
 def _check_objective(cfg: JobConfig, sources) -> None:
     """Preference objectives train on pairs of rows of a preference dataset, and only there."""
-    from torchtitan_xla.datasets.sources import PREFERENCE_DATASETS
+    from torchtitan_xla.config.job_config import PREFERENCE_DATASETS
 
     t, p = cfg.training, cfg.parallelism
     objective, dataset = sources.describe("training", "objective"), sources.describe("training", "dataset")

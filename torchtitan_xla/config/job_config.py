@@ -22,6 +22,10 @@ from torchtitan_xla.config.run_sections import (
     Runtime,
 )
 
+# The datasets of preference pairs (datasets/preference.py), the only ones the preference
+# objectives train on (config/checks.py).
+PREFERENCE_DATASETS = ("preference", "python_docs_preference")
+
 
 @dataclass
 class Job:

@@ -26,9 +26,10 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     applied to each host batch first (context parallelism's reordering)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    from torchtitan_xla.config.job_config import PREFERENCE_DATASETS
     from torchtitan_xla.datasets.packing import ChatDataset, PackedTextDataset, SyntheticDataset
     from torchtitan_xla.datasets.preference import PreferenceDataset
-    from torchtitan_xla.datasets.sources import CHAT_DATASETS, PREFERENCE_DATASETS, load_documents
+    from torchtitan_xla.datasets.sources import CHAT_DATASETS, load_documents
 
     t = job_config.training
     seed = job_config.debug.seed if job_config.debug.seed is not None else DEFAULT_SEED

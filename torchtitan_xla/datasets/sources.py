@@ -29,7 +29,6 @@ C4_HUB_ID = "allenai/c4"
 DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
                  "python_docs_chat", "preference", "python_docs_preference")
 CHAT_DATASETS = ("chat", "python_docs_chat")
-PREFERENCE_DATASETS = ("preference", "python_docs_preference")  # {"pair": ...} rows (preference.py)
 JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
