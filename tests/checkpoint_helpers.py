@@ -70,3 +70,9 @@ def train_py_two_blocks(argv: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _TRAIN_PY_TWO_BLOCKS.format(repo=str(REPO)), *argv],
                           capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU",
                                                                    CPU_NUM_DEVICES="1"), **kw)
+
+
+def from_hf(straight) -> list[str]:
+    """The flags that start a run from the shared run's (conftest.py's `straight`) HF export."""
+    return ["--checkpoint.initial_load_path", str(straight[0] / "checkpoint" / "step-6-hf"),
+            "--checkpoint.initial_load_in_hf"]

@@ -4,6 +4,7 @@ runs from an exported HF checkpoint lower the masked loss on the embedded chat s
 
 import pytest
 import torch
+from checkpoint_helpers import from_hf
 
 from torchtitan_xla.losses import IGNORE_INDEX
 
@@ -106,11 +107,6 @@ def test_packed_losses_on_xla_through_the_training_loss(chunk_size, xla_device):
 CHAT = ["--training.dataset", "python_docs_chat", "--training.seq_len", "256"]
 
 
-def _from_hf(straight) -> list[str]:
-    return ["--checkpoint.initial_load_path", str(straight[0] / "checkpoint" / "step-6-hf"),
-            "--checkpoint.initial_load_in_hf"]
-
-
 @pytest.fixture(scope="module")
 def chat_runs(straight, tmp_path_factory):
     """One process, one device, starting from the shared run's HF export: 30 steps of SFT and of
@@ -120,14 +116,14 @@ def chat_runs(straight, tmp_path_factory):
     from helpers import tiny_args, train_many
 
     out = tmp_path_factory.mktemp("chat")
-    learn = [*CHAT, *_from_hf(straight), "--training.steps", "30", "--training.local_batch_size", "4",
+    learn = [*CHAT, *from_hf(straight), "--training.steps", "30", "--training.local_batch_size", "4",
              "--validation.enable", "--validation.freq", "10", "--validation.steps", "-1"]
     runs = {
         "sft": tiny_args(out / "sft", *learn, "--optimizer.lr", "1e-3"),
         # The chunked loss with the output layer frozen (no weight gradient is built).
         "lora": tiny_args(out / "lora", *learn, "--optimizer.lr", "1e-2", "--lora.rank", "8",
                           "--loss.chunk_size", "256"),
-        "accumulate_4x2": tiny_args(out / "acc", *CHAT, *_from_hf(straight), "--training.steps", "1",
+        "accumulate_4x2": tiny_args(out / "acc", *CHAT, *from_hf(straight), "--training.steps", "1",
                                     "--training.local_batch_size", "2", "--training.global_batch_size", "8"),
     }
     return train_many(runs, devices=1, model_overrides=TWO_BLOCKS)
@@ -177,7 +173,7 @@ def test_the_loss_is_the_mean_over_every_counted_label_of_the_global_batch(strai
     assert abs(mean_of_means - expected) > 1e-3 * expected  # the batch tells the two apart
     logged = chat_runs["accumulate_4x2"]["losses"][1]
     assert logged == pytest.approx(expected, rel=2e-5)
-    four = train_many({"dp4": tiny_args(straight[0] / "dp4", *CHAT, *_from_hf(straight), "--training.steps", "1",
+    four = train_many({"dp4": tiny_args(straight[0] / "dp4", *CHAT, *from_hf(straight), "--training.steps", "1",
                                         "--training.local_batch_size", "1", "--training.global_batch_size", "8")},
                       devices=4, model_overrides=TWO_BLOCKS)
     assert four["dp4"]["losses"][1] == pytest.approx(logged, rel=2e-6)
@@ -191,7 +187,7 @@ def test_lora_on_chat_data_resumes_bit_exactly(straight, tmp_path):
 
     from checkpoint_helpers import run
 
-    flags = [*CHAT, *_from_hf(straight), "--training.local_batch_size", "2", "--lora.rank", "4",
+    flags = [*CHAT, *from_hf(straight), "--training.local_batch_size", "2", "--lora.rank", "4",
              "--training.shuffle_buffer", "16"]
     straight_losses, _ = run(tmp_path, *flags)
     shutil.rmtree(tmp_path / "checkpoint" / "step-6")

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoint_helpers import TWO_BLOCKS
+from checkpoint_helpers import TWO_BLOCKS, from_hf
 from helpers import hf_rope, rmsnorm_in_input_dtype, run_train, tiny_args, train_many, train_run
 
 from torchtitan_xla.losses import IGNORE_INDEX
@@ -227,11 +227,6 @@ DPO = ["--training.dataset", "python_docs_preference", "--training.objective", "
        "--preference.beta", "0.1", "--checkpoint.enable", "--checkpoint.interval", "3"]
 
 
-def _from_hf(straight) -> list[str]:
-    return ["--checkpoint.initial_load_path", str(straight[0] / "checkpoint" / "step-6-hf"),
-            "--checkpoint.initial_load_in_hf"]
-
-
 @pytest.fixture(scope="module")
 def dpo_runs(straight, tmp_path_factory):
     """6 DPO steps on the embedded preference pairs from the shared run's HF export (the reference),
@@ -247,7 +242,7 @@ def dpo_runs(straight, tmp_path_factory):
             ("lora", 1, ["--training.local_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
                          "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"])):
         folder = tmp_path_factory.mktemp(mesh.replace(" ", ""))
-        result = train_many({mesh: tiny_args(folder, *DPO, *_from_hf(straight), *extra)},
+        result = train_many({mesh: tiny_args(folder, *DPO, *from_hf(straight), *extra)},
                             devices=devices, model_overrides=TWO_BLOCKS)
         runs[mesh] = folder, result[mesh]
     return runs
@@ -301,7 +296,7 @@ def test_dpo_resumes_bit_exactly(dpo_runs, straight):
     folder, one = dpo_runs["1 device"][:2]
     shutil.rmtree(folder / "checkpoint" / "step-6")
     shutil.rmtree(folder / "checkpoint" / "step-6-hf")
-    resumed, log = train_run(tiny_args(folder, *DPO, *_from_hf(straight), "--training.local_batch_size", "4",
+    resumed, log = train_run(tiny_args(folder, *DPO, *from_hf(straight), "--training.local_batch_size", "4",
                                        "--training.global_batch_size", "8"), model_overrides=TWO_BLOCKS)
     assert "Resumed from" in log and sorted(resumed) == [4, 5, 6]
     assert resumed == {s: one["losses"][s] for s in (4, 5, 6)}
@@ -348,7 +343,7 @@ def test_bad_pairs_and_references_are_one_line_before_anything_is_written(straig
              f"layers.1.attention.wk.weight is missing there")):
         dump = tmp_path / "dump"
         r = run_train(["--job.config_file", str(tiny_args(dump)[1]), "--job.dump_folder", str(dump),
-                       *DPO, *_from_hf(straight), *flags, "--model.flavor", "hf"])
+                       *DPO, *from_hf(straight), *flags, "--model.flavor", "hf"])
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and message in lines[-1], r.stderr[-2000:]
         assert "Traceback" not in r.stderr and not (dump / "config.toml").exists()

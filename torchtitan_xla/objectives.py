@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.losses import IGNORE_INDEX
 
-PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 WITH_REFERENCE = ("dpo", "ipo")
 
 
