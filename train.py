@@ -75,7 +75,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.reference import build_reference, reference_source
     from torchtitan_xla.storage import check_writable, join, makedirs, write_text
     from torchtitan_xla.utils import GarbageCollection, set_determinism
-    from torchtitan_xla.validate import build_validator, validation_config
+    from torchtitan_xla.validate import build_validator, validates_pairs, validation_config
 
     init_logger()
     logger.info(f"Starting job: {job_config.job.description}")
@@ -207,17 +207,21 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                                 on=(device, mesh, parallel_dims)) if objective.needs_reference else None
 
     # Validation (its data checked now): the plain loss on held-out batches of one microbatch's
-    # shape, in its own graph.
+    # shape, in its own graph; on held-out pairs, the preference objective and its rewards.
     validator = None
     if job_config.validation.enable:
         val_config = validation_config(job_config)
+        val_batch = training.local_batch_size * parallel_dims.dp_degree
+        pairs = validates_pairs(job_config)
+        val_objective = build_objective(job_config, global_batch=val_batch, accumulation_steps=1)
         validator = build_validator(
             job_config, model=model,
             loss_fn=build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree,
                                   autocast_dtype=autocast_dtype, plain=True),
+            objective=val_objective if pairs else None, reference=reference if pairs else None,
             make_loader=lambda: build_data_loader(
                 val_config, tokenizer,
-                batch_size=training.local_batch_size * parallel_dims.dp_degree // data_count,
+                batch_size=val_batch // data_count,
                 host_rank=data_rank, host_count=data_count, infinite=False, drop_last=True,
                 device=device, input_sharding=input_sharding),
             host_count=data_count)
@@ -359,6 +363,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                     result = validator.run()
                 metric_logger.log_validation(step, result)
                 history[-1].validation_loss = result.loss
+                history[-1].validation_metrics = result.metrics or None
 
             train_state.step = step
             if saving:

@@ -1,13 +1,16 @@
 """Test environment: the XLA CPU backend with one device in this process (tests that need more
 devices start a subprocess), and caches in a per-session temporary folder."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 _CACHE = tempfile.mkdtemp(prefix="ttx-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = "1"

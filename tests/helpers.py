@@ -204,6 +204,8 @@ for name, args in json.loads(sys.argv[1]).items():
                          router={{s.step: s.router for s in history if s.router is not None}},
                          validation={{s.step: s.validation_loss for s in history
                                      if s.validation_loss is not None}},
+                         validation_metrics={{s.step: s.validation_metrics for s in history
+                                             if s.validation_metrics is not None}},
                          compiles=compiles, params=params,
                          expert_bias={{n: b.cpu().tolist() for n, b in model.named_buffers()
                                       if n.endswith("expert_bias")}})
@@ -246,6 +248,7 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
     for r in results.values():
         r["losses"] = {int(k): v for k, v in r["losses"].items()}
         r["validation"] = {int(k): v for k, v in r["validation"].items()}
+        r["validation_metrics"] = {int(k): v for k, v in r["validation_metrics"].items()}
         r["router"] = {int(k): v for k, v in r["router"].items()}
     return results
 

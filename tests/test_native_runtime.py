@@ -26,9 +26,9 @@ from native_helpers import EAGER, close, native_jobs
 
 from torchtitan_xla.checkpoint import committed_steps
 
-EXPORT = ["--checkpoint.last_save_in_hf", "true"]  # after the last step, into checkpoint/step-20-hf
+EXPORT = ["--checkpoint.last_save_in_hf", "true"]  # after the last step, into checkpoint/step-10-hf
 SYNTHETIC = ["--training.dataset", "synthetic", "--training.global_batch_size", "8"]
-SAVE_AT_10 = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+SAVE_AT_5 = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 XLA_MESH = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
             "--training.local_batch_size", "2"]
 NATIVE_MESH = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
@@ -40,8 +40,6 @@ MESHES = {
                                 "--parallelism.data_parallel_replicate_degree", "2",
                                 "--parallelism.data_parallel_shard_degree", "4"],
 }
-# fsdp=4 x tp=2 as long as the XLA run it is compared with (and exported); the others 10 steps.
-MESH_STEPS = {"fsdp=8": 10, "fsdp=4 x tp=2": 20, "dp_replicate=2 x fsdp=4": 10}
 OPTIMIZER_MESHES = {"Lion": ["--parallelism.tensor_parallel_degree", "2"],
                     "Adafactor": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
                     "Muon": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
@@ -82,7 +80,7 @@ def moe_seed(tmp_path_factory) -> Path:
     return folder / "checkpoint" / "step-0"
 
 
-def from_seed(seed: Path, steps: int = 20) -> list[str]:
+def from_seed(seed: Path, steps: int = 10) -> list[str]:
     return ["--checkpoint.initial_load_path", str(seed), "--training.steps", str(steps)]
 
 
@@ -104,12 +102,11 @@ def chat_job(seed: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_process(seed, tmp_path_factory) -> dict:
-    """The references on one process: the global batch at once from the seed checkpoint, 20 steps
-    (exported to HF after the last step) and 10 (the lr schedule spans the run), the eager
+    """The references on one process: the global batch at once from the seed checkpoint, 10 steps
+    (exported to HF after the last step), the eager
     ten-block model for the compiled step; and 6 steps with the profiler on."""
     return native_jobs(tmp_path_factory.mktemp("one"), 1, {
         "mesh": [*EAGER, *from_seed(seed), "--training.local_batch_size", "8", *EXPORT],
-        "ten steps": [*EAGER, *from_seed(seed, 10), "--training.local_batch_size", "8"],
         "ten blocks": [*EAGER, "--training.local_batch_size", "8"],
         "profiled": [*EAGER, "--training.local_batch_size", "8", "--training.steps", "6", *PROFILED],
         "qwen3": [*EAGER, *QWEN3, "--training.local_batch_size", "8"],
@@ -124,7 +121,7 @@ def eight_processes(seed, moe_seed, xla_eight, tmp_path_factory) -> dict:
     its own); and "moe", Mixtral on ep=4 x fsdp=2."""
     folder = tmp_path_factory.mktemp("eight")
     copy_step(xla_eight["lora"]["folder"], folder / "lora", 5)
-    jobs = {mesh: [*EAGER, *from_seed(seed, MESH_STEPS[mesh]), *flags] for mesh, flags in MESHES.items()}
+    jobs = {mesh: [*EAGER, *from_seed(seed), *flags] for mesh, flags in MESHES.items()}
     moe = [*EAGER, *from_seed(moe_seed, steps=5), *MOE, "--parallelism.expert_parallel_degree", "4",
            "--training.local_batch_size", "1"]
     # Five jobs on eight processes sharing two cores, beside the other test worker: time enough.
@@ -139,7 +136,7 @@ def two_processes(seed, tmp_path_factory) -> dict:
     CHUNKED_MESHES."""
     jobs = {"compiled": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                          "--debug.on_recompile", "error"],
-            "accumulation": [*EAGER, *from_seed(seed, 10), "--training.local_batch_size", "4",
+            "accumulation": [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
                              "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
@@ -156,10 +153,10 @@ def two_processes(seed, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def xla_eight(seed, tmp_path_factory) -> dict:
     """The XLA runtime on fsdp=4 x tp=2 (eight devices, one process), from the seed checkpoint:
-    "mesh", 20 steps saving step 10; "lora", adapters trained 10 steps saving step 5. Each run's
+    "mesh", 10 steps saving step 5; "lora", adapters trained 10 steps saving step 5. Each run's
     losses, and its folder."""
     folder = tmp_path_factory.mktemp("xla")
-    runs = {"mesh": [*SYNTHETIC, *from_seed(seed), *SAVE_AT_10, *XLA_MESH], "lora": lora_job(seed)}
+    runs = {"mesh": [*SYNTHETIC, *from_seed(seed), *SAVE_AT_5, *XLA_MESH], "lora": lora_job(seed)}
     results = train_many({name: tiny_args(folder / name, *flags) for name, flags in runs.items()}, devices=8,
                          model_overrides=LAYERS)
     return {name: result | {"folder": folder / name} for name, result in results.items()}
@@ -197,7 +194,7 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
     from torchtitan_xla.parallelisms import ParallelDims
     from torchtitan_xla.parallelisms.parallelize_llama import param_specs
 
-    run, one = eight_processes[mesh], one_process["mesh" if MESH_STEPS[mesh] == 20 else "ten steps"]
+    run, one = eight_processes[mesh], one_process["mesh"]
     # float32, the same sums in another order (reductions across processes): 1.2e-7 measured.
     close(run["losses"], one["losses"], rtol=1e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
@@ -231,12 +228,12 @@ def test_eight_processes_give_the_one_process_losses_with_each_parameter_sharded
         from safetensors.torch import load_file
 
         def weights(folder: Path) -> dict:
-            return {k: v for f in sorted((folder / "checkpoint" / "step-20-hf").glob("*.safetensors"))
+            return {k: v for f in sorted((folder / "checkpoint" / "step-10-hf").glob("*.safetensors"))
                     for k, v in load_file(f).items()}
 
         got, want = weights(run["folder"]), weights(one["folder"])
         assert got.keys() == want.keys() and len(got) == len(layout)
-        # After 20 AdamW steps: the 8 processes' sums round otherwise, and Adam's normalised update
+        # After 10 AdamW steps: the 8 processes' sums round otherwise, and Adam's normalised update
         # turns that into a few millionths on a few elements; a block gathered to the wrong place
         # would be off by the weights' own size (0.02-5).
         for name, value in want.items():
@@ -271,7 +268,7 @@ def test_one_gpu_gives_the_cpus_losses_eager_and_compiled(seed, one_process, tmp
     """`[runtime] device = "cuda"`, one process, 10 steps from the seed checkpoint, eager and
     compiled: the CPU process's losses (float32; bench/bench_native_gpu.py measured 1.2e-7 over
     20 steps on an H200 with torch 2.11; this test has not run on a GPU yet)."""
-    cpu = one_process["ten steps"]["losses"]
+    cpu = one_process["mesh"]["losses"]
     runs = native_jobs(tmp_path, 1, {kind: [*from_seed(seed, 10), "--training.local_batch_size", "8",
                                             "--runtime.device", "cuda", "--compile.step", kind]
                                      for kind in ("eager", "compile")}, model=LAYERS)
@@ -284,7 +281,7 @@ def test_gradient_accumulation_and_activation_checkpointing_keep_the_one_process
     """tp=2 on two processes, the global batch of 8 as two microbatches of 4, every block
     recomputed in the backward (full activation checkpointing): the one-process losses and
     gradient norms (batch 8 at once, nothing recomputed) within float32 reordering."""
-    run, one = two_processes["accumulation"], one_process["ten steps"]
+    run, one = two_processes["accumulation"], one_process["mesh"]
     assert "2 accumulation step(s)" in run["log"] and "Activation checkpointing: full" in run["log"]
     close(run["losses"], one["losses"], rtol=1e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
@@ -331,10 +328,10 @@ def test_compiled_step_gives_the_eager_losses_and_compiles_nothing_after_warm_up
 
 
 def test_both_runtimes_give_the_same_losses_from_one_seed_checkpoint(one_process, eight_processes, xla_eight):
-    """XLA on fsdp=4 x tp=2 against native on one process and on fsdp=4 x tp=2, 20 steps from the
+    """XLA on fsdp=4 x tp=2 against native on one process and on fsdp=4 x tp=2, 10 steps from the
     same initial weights."""
     xla = xla_eight["mesh"]["losses"]
-    assert len(xla) == 20
+    assert len(xla) == 10
     # XLA CPU and eager PyTorch round float32 differently (fusions, dot kernels).
     close(one_process["mesh"]["losses"], xla, rtol=1e-5)
     close(eight_processes["fsdp=4 x tp=2"]["losses"], xla, rtol=1e-5)
@@ -544,24 +541,24 @@ def test_run_train_sh_stops_native_processes_on_bad_input_with_one_line(tmp_path
 
 
 def test_a_checkpoint_resumes_on_the_other_runtime_as_if_never_interrupted(seed, xla_eight, tmp_path):
-    """XLA (fsdp=4 x tp=2) saves step 10, the native runtime (fsdp=2 x tp=2, four processes)
+    """XLA (fsdp=4 x tp=2) saves step 5, the native runtime (fsdp=2 x tp=2, four processes)
     resumes it; and the reverse, native (fsdp=2 x tp=2, saving asynchronously) to XLA (fsdp=4 x
-    tp=2). Steps 11-20 equal the uninterrupted run's. The data loader's state moves too, from one
+    tp=2). Steps 6-10 equal the uninterrupted run's. The data loader's state moves too, from one
     data-parallel rank (XLA's one host loads the global batch) to two, and back: synthetic data
     continues at its global batch on any layout (datasets/loader.py)."""
     xla = xla_eight["mesh"]
-    job = [*EAGER, *from_seed(seed), *SAVE_AT_10, *NATIVE_MESH]
-    copy_step(xla["folder"], tmp_path / "native" / "on_native", 10)
+    job = [*EAGER, *from_seed(seed), *SAVE_AT_5, *NATIVE_MESH]
+    copy_step(xla["folder"], tmp_path / "native" / "on_native", 5)
     # Asynchronous saves: a device copy of each block, written while training goes on.
     runs = native_jobs(tmp_path / "native", 4, {"on_native": job, "async": [*job, "--checkpoint.async_mode", "async"]},
                        model=LAYERS)
     on_native, base = runs["on_native"], runs["async"]
-    assert "Resumed from" in on_native["log"] and "(step 10)" in on_native["log"]
-    assert sorted(map(int, on_native["losses"])) == list(range(11, 21))
-    close(on_native["losses"], {s: v for s, v in xla["losses"].items() if s > 10}, rtol=1e-5)
+    assert "Resumed from" in on_native["log"] and "(step 5)" in on_native["log"]
+    assert sorted(map(int, on_native["losses"])) == list(range(6, 11))
+    close(on_native["losses"], {s: v for s, v in xla["losses"].items() if s > 5}, rtol=1e-5)
 
-    assert "Checkpoint step-10: staged" in base["log"]
-    on_xla, _ = train_run(tiny_args(copy_step(base["folder"], tmp_path / "on_xla", 10), *SYNTHETIC, *from_seed(seed),
-                                    *SAVE_AT_10, *XLA_MESH), devices=8, model_overrides=LAYERS)
-    assert sorted(on_xla) == list(range(11, 21))
-    close(on_xla, {s: v for s, v in base["losses"].items() if int(s) > 10}, rtol=1e-5)
+    assert "Checkpoint step-5: staged" in base["log"]
+    on_xla, _ = train_run(tiny_args(copy_step(base["folder"], tmp_path / "on_xla", 5), *SYNTHETIC, *from_seed(seed),
+                                    *SAVE_AT_5, *XLA_MESH), devices=8, model_overrides=LAYERS)
+    assert sorted(on_xla) == list(range(6, 11))
+    close(on_xla, {s: v for s, v in base["losses"].items() if int(s) > 5}, rtol=1e-5)

@@ -29,16 +29,14 @@ def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chu
                       policy=policy, attention=attention, chunk=chunk, mesh=mesh)
 
 
-# Depth, width, heads, seq, batch, vocabulary, AC policy, attention, loss chunk: each varies, in
+# Depth, width, heads, seq, batch, vocabulary, AC policy, attention, loss chunk: each varies (each
+# policy, attention and loss once at least; the 393-point grid of docs/plan.md varies them all), in
 # the regime of real runs (at least 1024 tokens per device, more per FSDP group than vocabulary).
 ONE_DEVICE = [
     _point("1", 2, 256, 16, 512, 2, 2256, "none", "sdpa", 0),
     _point("1", 3, 128, 8, 256, 4, 4096, "full", "blockwise", 0),
     _point("1", 4, 384, 16, 128, 8, 8192, "op", "sdpa", 128),
     _point("1", 2, 256, 8, 512, 2, 2256, "every-2", "blockwise", 128),
-    _point("1", 3, 384, 8, 256, 4, 8192, "none", "blockwise", 128),
-    _point("1", 4, 128, 16, 256, 4, 2256, "full", "sdpa", 128),
-    _point("1", 3, 256, 16, 128, 8, 4096, "op", "blockwise", 0),
     _point("1", 4, 256, 8, 256, 4, 4096, "every-2", "sdpa", 0),
     # Mixtral's 2 MoE blocks, dropless: the dispatch counted from its shapes (memory.moe_excess).
     {**(p := _point("1", 2, 256, 16, 256, 4, 2256, "none", "sdpa", 0)),
@@ -93,7 +91,7 @@ def test_the_nonfinite_guard_adds_no_temporaries_the_plan_leaves_out(compiled):
     finite. XLA fuses that selection into the update: its temporaries stay within 1% of the
     unguarded step's (measured 0.90-1.006 over this file's grid; a copy of the weights and the
     optimizer state would add 3x the weights' bytes), here on the points that moved most."""
-    for devices, point in ((1, ONE_DEVICE[7]), (8, PP_POINTS[1])):
+    for devices, point in ((1, ONE_DEVICE[4]), (8, PP_POINTS[1])):
         guarded = {**point, "args": [a for a in point["args"] if a != "--training.no-skip_nonfinite_steps"]}
         (skipping,), plain = measure([guarded], devices), compiled[id(point)][1]
         assert skipping["temp_bytes"] <= 1.01 * plain["temp_bytes"], (point["mesh"], skipping, plain)

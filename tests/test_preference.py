@@ -62,6 +62,30 @@ def test_malformed_pairs_are_one_line(record, message):
         parse_pair(record)
 
 
+def test_a_saved_hf_dataset_gives_the_pairs_of_its_json_lines(tmp_path):
+    """TRL's columns as `datasets` saves them (save_to_disk: a train and a validation split, each
+    row given every column, None where it had none) give the pairs the same records give as JSON
+    lines; a bad row names the folder, the split and the row."""
+    import datasets
+
+    from torchtitan_xla.datasets.sources import load_documents
+    from torchtitan_xla.errors import ConfigError
+
+    # Plain text, the first row with a system prompt (from_list takes its columns from it), and chat.
+    splits = {"train": [PAIRS[1], PAIRS[0]], "validation": PAIRS[2:]}
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(saved))
+    for split, records in splits.items():
+        lines = tmp_path / f"{split}.jsonl"
+        lines.write_text("".join(json.dumps(r) + "\n" for r in records))
+        want = [r["pair"] for r in load_documents("preference", str(lines), "train")]
+        assert [r["pair"] for r in load_documents("preference", str(saved), split)] == want
+    datasets.Dataset.from_list([PAIRS[0], {**PAIRS[0], "rejected": None}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'bad'} \\(train split\\), row 1: not a preference "
+                                          f"pair: no 'rejected'"):
+        load_documents("preference", str(tmp_path / "bad"), "train")
+
+
 def test_rows_hold_the_final_answer_only_and_come_in_pairs(tokenizer):
     """Each pair is two rows sharing the prompt's ids; only the final answer (and its end-of-turn
     token) is labelled, in the chosen row then the rejected row."""
@@ -227,6 +251,9 @@ DPO = ["--training.dataset", "python_docs_preference", "--training.objective", "
        "--preference.beta", "0.1", "--checkpoint.enable", "--checkpoint.interval", "3"]
 
 
+HELD_OUT = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "-1"]
+
+
 @pytest.fixture(scope="module")
 def dpo_runs(straight, tmp_path_factory):
     """6 DPO steps on the embedded preference pairs from the shared run's HF export (the reference),
@@ -234,8 +261,9 @@ def dpo_runs(straight, tmp_path_factory):
     {mesh: (folder, train_many's result, log)}."""
     runs = {}
     for mesh, devices, extra in (
+            # (with validation on the 30 held-out pairs after steps 3 and 6)
             ("1 device", 1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
-                             "--checkpoint.last_save_in_hf"]),
+                             "--checkpoint.last_save_in_hf", *HELD_OUT]),
             ("fsdp4 x tp2", 8, ["--training.local_batch_size", "2",
                                 "--parallelism.tensor_parallel_degree", "2"]),
             # LoRA: the reference is the policy with its adapters switched off.
@@ -252,7 +280,8 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     """The first step's loss is log 2 (policy = reference); fsdp x tp gives one device's losses; the
     exported policy prefers the chosen answers of the 24 pairs it trained on more than the reference
     does (TRL's rewards/accuracies, scored by transformers: 0.79 measured, ties at the start). The
-    held-out pairs need a model that reads the prompt: debug_dpo.toml's figures, docs/posttrain.md."""
+    held-out pairs need a model that reads the prompt: debug_dpo.toml's figures, docs/posttrain.md.
+    Validation on those 30 pairs gives the loss and the rewards transformers gives the exports."""
     from transformers import AutoModelForCausalLM
 
     from torchtitan_xla.datasets.preference import parse_pair
@@ -276,6 +305,25 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     rewards = 0.1 * (margins[0] - margins[1])  # beta x (policy margin - reference margin)
     accuracy = (rewards > 0).float().mean().item()
     assert accuracy >= 0.7 and rewards.mean() > 0, (accuracy, rewards.mean())
+
+    held_out = [dict(zip(("prompt", "chosen", "rejected"), json.loads(r["pair"])))
+                for r in load_documents("python_docs_preference", "", "validation")]
+    assert len(held_out) == 30 and set(one["validation_metrics"]) == {3, 6}
+    inputs, labels, _, _ = _rows(tokenizer, held_out, seq_len=192)
+    logps = []
+    for path in (folder / "checkpoint" / "step-6-hf", straight[0] / "checkpoint" / "step-6-hf"):
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            logps.append(_hf_logps(hf, inputs, labels)[0].double())
+    chosen, rejected = (0.1 * (logps[0][k::2] - logps[1][k::2]) for k in (0, 1))
+    got = one["validation_metrics"][6]
+    # float32 sums of up to 190 log-probabilities in another order, times beta.
+    assert got["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=2e-5)
+    assert got["rewards/rejected"] == pytest.approx(rejected.mean().item(), abs=2e-5)
+    assert got["rewards/margins"] == pytest.approx((chosen - rejected).mean().item(), abs=2e-5)
+    assert one["validation"][6] == pytest.approx(-F.logsigmoid(chosen - rejected).mean().item(), abs=2e-5)
+    ties = ((chosen - rejected).abs() < 1e-5).sum().item()  # a pair that rounding could flip
+    assert abs(got["rewards/accuracies"] - (chosen > rejected).double().mean().item()) <= ties / 30
 
 
 def test_lora_dpo_uses_the_base_model_as_its_reference(dpo_runs):
@@ -309,6 +357,8 @@ def test_dpo_resumes_bit_exactly(dpo_runs, straight):
     (["--training.dataset", "python_docs_preference"], "preference pairs need a preference objective"),
     (["--training.dataset", "python_docs_preference", "--training.objective", "orpo",
       "--training.local_batch_size", "3"], "needs an even number of rows"),
+    (["--validation.enable", "--validation.dataset", "python_docs_preference"],
+     "held-out preference pairs are scored by the preference objective the run trains with"),
 ])
 def test_bad_settings_are_one_line(flags, message, tmp_path):
     from torchtitan_xla.config import parse_args

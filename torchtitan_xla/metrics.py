@@ -136,6 +136,7 @@ class StepStats:
     memory: Memory
     eta_seconds: float
     validation_loss: float | None = None  # when [validation] ran after this step
+    validation_metrics: dict[str, float] | None = None  # its preference metrics (held-out pairs)
     # MoE models: the router's load-balancing loss, z-loss, fraction of token choices dropped by
     # capacity and the experts' load max/min, each the mean over MoE blocks and microbatches.
     router: tuple[float, float, float, float] | None = None
@@ -213,12 +214,18 @@ class MetricLogger:
         if not self.enabled:
             return
         c = self.colors
+        scalars = {"loss_metrics/validation_loss": result.loss, "time_metrics/validation(s)": result.seconds}
+        if result.metrics:  # a preference objective's loss: no perplexity
+            shown = (f"accuracy: {result.metrics['rewards/accuracies']:.2f}  "
+                     f"margin: {result.metrics['rewards/margins']:.4f}")
+            scalars |= {f"validation/{name}": value for name, value in result.metrics.items()}
+        else:
+            shown = f"perplexity: {result.perplexity:,.2f}"
+            scalars["loss_metrics/validation_perplexity"] = result.perplexity
         logger.info(f"{c.cyan}validation: step {step:>5}  {c.green}loss: {result.loss:8.4f}  "
-                    f"perplexity: {result.perplexity:,.2f}{c.reset}  ({result.batches} batches, "
-                    f"{result.tokens:,} tokens, {result.seconds:.1f}s)")
-        self._emit({"loss_metrics/validation_loss": result.loss,
-                    "loss_metrics/validation_perplexity": result.perplexity,
-                    "time_metrics/validation(s)": result.seconds}, step)
+                    f"{shown}{c.reset}  ({result.batches} batches, {result.tokens:,} tokens, "
+                    f"{result.seconds:.1f}s)")
+        self._emit(scalars, step)
 
     def _emit(self, scalars: dict[str, float], step: int) -> None:
         for sink in self.sinks:

@@ -1,5 +1,7 @@
 """Validation during training (`[validation]`): the plain cross-entropy on held-out data every
 `freq` steps, as one compiled evaluation graph (forward and loss, no gradients, no optimizer).
+With a preference objective on held-out pairs, that objective's loss and TRL's rewards/* metrics
+instead (eval_rewards/accuracies in TRL), the reference's log-probabilities scored by its own graph.
 
 Every validation reads the same batches from the start of the split, so the curve compares like
 with like. It reads the model's parameters and writes nothing: a run with validation has the
@@ -12,12 +14,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan_xla import runtime
 from torchtitan_xla.config import JobConfig, renamed_keys
+from torchtitan_xla.config.job_config import PREFERENCE_DATASETS
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.logging import logger
 from torchtitan_xla.losses import IGNORE_INDEX, LossFn
@@ -25,10 +28,11 @@ from torchtitan_xla.losses import IGNORE_INDEX, LossFn
 
 @dataclass
 class ValidationResult:
-    loss: float  # mean over every counted token of every batch
+    loss: float  # mean over every counted token of every batch (a preference objective's: of every pair)
     tokens: int
     batches: int
     seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)  # a preference objective's, over every pair
 
     @property
     def perplexity(self) -> float:
@@ -46,14 +50,23 @@ def validation_config(job_config: JobConfig) -> JobConfig:
     return dataclasses.replace(job_config, training=training)
 
 
+def validates_pairs(job_config: JobConfig) -> bool:
+    """Whether validation reads preference pairs (it then scores the preference objective)."""
+    return validation_config(job_config).training.dataset in PREFERENCE_DATASETS
+
+
 class Validator:
     """`validator.run()` -> ValidationResult over `steps` batches of a fresh loader (all of them
-    with steps = -1). `make_loader()` builds that loader; `eval_step(inputs, labels)` is the
-    compiled graph returning [sum of token losses, counted tokens]."""
+    with steps = -1). `make_loader()` builds that loader; `eval_step(inputs, labels, ...)` is the
+    compiled graph returning [sum of token losses, counted tokens], or with a preference objective
+    [its loss, its metrics named `metric_names` (batch means), counted tokens], the batch first
+    extended by `reference(*batch)` where the objective has a reference."""
 
-    def __init__(self, *, freq: int, steps: int, make_loader: Callable, eval_step: Callable):
+    def __init__(self, *, freq: int, steps: int, make_loader: Callable, eval_step: Callable,
+                 metric_names: tuple[str, ...] = (), reference: Callable | None = None):
         self.freq, self.steps = freq, steps
         self.make_loader, self.eval_step = make_loader, eval_step
+        self.metric_names, self.reference = metric_names, reference
         self.runs = self.calls = 0
         # Built now, so that a missing or unreadable validation set stops the run at start.
         self._loader = make_loader()
@@ -72,6 +85,8 @@ class Validator:
         sums = []
         try:
             for batch in loader:
+                if self.reference is not None:
+                    batch = (*batch, self.reference(*batch))
                 sums.append(self.eval_step(*batch))
                 self.calls += 1
                 if len(sums) == self.steps:
@@ -85,18 +100,26 @@ class Validator:
             logger.warning(f"[validation] steps = {self.steps}: the split holds only {len(sums)} "
                            f"batches; validating on those")
         # One transfer for every batch's sums, after the last batch was queued.
-        values = runtime.to_host(sums)
-        loss_sum = sum(float(v[0]) for v in values)
-        tokens = int(sum(float(v[1]) for v in values))
+        values = [[float(x) for x in v] for v in runtime.to_host(sums)]
+        tokens = int(sum(v[-1] for v in values))
         self.runs += 1
-        return ValidationResult(loss=loss_sum / max(tokens, 1), tokens=tokens, batches=len(sums),
-                                seconds=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if not self.metric_names:
+            loss = sum(v[0] for v in values) / max(tokens, 1)
+            return ValidationResult(loss=loss, tokens=tokens, batches=len(sums), seconds=seconds)
+        # Batch means of batches of equal size (drop_last): their mean is the mean over every pair.
+        means = [sum(column) / len(values) for column in zip(*values)]
+        return ValidationResult(loss=means[0], tokens=tokens, batches=len(sums), seconds=seconds,
+                                metrics=dict(zip(self.metric_names, means[1:-1])))
 
 
 def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: LossFn,
-                    make_loader: Callable, host_count: int = 1) -> Validator:
+                    make_loader: Callable, host_count: int = 1, objective=None,
+                    reference: Callable | None = None) -> Validator:
     """The Validator for `model`; `loss_fn` is the plain cross-entropy (no smoothing, no z-loss:
-    the validation loss is the model's, so its exp is the perplexity)."""
+    the validation loss is the model's, so its exp is the perplexity). `objective`: a preference
+    objective (objectives.py) built for one validation batch's pairs, scoring held-out pairs;
+    `reference` its reference's scoring graph (reference.py) for dpo and ipo."""
     v = job_config.validation
     if v.steps == -1 and host_count > 1:
         # Hosts would reach the end of their shares at different batches, one of them alone in
@@ -105,18 +128,23 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
                           f"this run has {host_count}: give a number of batches")
 
     @torch.no_grad()
-    def eval_step(inputs: torch.Tensor, labels: torch.Tensor, *packing: torch.Tensor) -> torch.Tensor:
+    def eval_step(inputs: torch.Tensor, labels: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        # rest: positions and document ids (packed or paired rows), then the reference's log-probs
         model.eval()  # no dropout (LoRA's) in the traced graph
         try:
-            losses = loss_fn(model, inputs, labels, *packing).float()
+            losses = loss_fn(model, inputs, labels, *rest[:2]).float()
         finally:
             model.train()
-        counted = (labels != IGNORE_INDEX).sum()
-        return torch.stack([losses.sum(), counted.to(losses.dtype)])
+        counted = (labels != IGNORE_INDEX).sum().to(losses.dtype)
+        if objective is None:
+            return torch.stack([losses.sum(), counted])
+        loss, metrics = objective(losses, labels, objective.totals(labels, True), *rest[2:])
+        return torch.cat([loss.view(1), metrics, counted.view(1)])
 
     state = [*model.parameters(), *model.buffers()]  # read, never written
     compiled = runtime.build_step(job_config.compile.step, eval_step, state, name="eval_step")
     # The loader reads validation's data through [training]'s keys: its errors name [validation]'s.
     own = {"dataset_split": True, "dataset": bool(v.dataset), "dataset_path": bool(v.dataset_path)}
     with renamed_keys({("training", k): ("validation", k) for k, mine in own.items() if mine}):
-        return Validator(freq=v.freq, steps=v.steps, make_loader=make_loader, eval_step=compiled)
+        return Validator(freq=v.freq, steps=v.steps, make_loader=make_loader, eval_step=compiled,
+                         metric_names=objective.metric_names if objective else (), reference=reference)

@@ -85,6 +85,11 @@ def _check_objective(cfg: JobConfig, sources) -> None:
     t, p = cfg.training, cfg.parallelism
     objective, dataset = sources.describe("training", "objective"), sources.describe("training", "dataset")
     pairs = t.dataset in PREFERENCE_DATASETS
+    v = cfg.validation
+    if v.enable and v.dataset in PREFERENCE_DATASETS and not pairs:
+        raise ConfigError(f"{sources.describe('validation', 'dataset')} = {v.dataset!r} with "
+                          f"{objective} = {t.objective!r}: held-out preference pairs are scored by "
+                          f"the preference objective the run trains with (dpo, ipo, simpo or orpo)")
     if (t.objective == "lm") == pairs:
         raise ConfigError(f"{objective} = {t.objective!r} with {dataset} = {t.dataset!r}: "
                           + ("preference pairs need a preference objective (dpo, ipo, simpo or orpo)"
@@ -98,11 +103,6 @@ def _check_objective(cfg: JobConfig, sources) -> None:
     if p.pipeline_parallel_degree > 1 or p.context_parallel_degree > 1:
         raise ConfigError(f"{objective} = {t.objective!r} is not supported with pipeline or context "
                           f"parallelism yet; use data and tensor parallelism")
-    if cfg.validation.enable and cfg.validation.dataset in ("", *PREFERENCE_DATASETS):
-        raise ConfigError(f"{sources.describe('validation', 'enable')} with {objective} = "
-                          f"{t.objective!r}: validation computes the language-model loss; set "
-                          f"[validation] dataset to a text or chat dataset (held-out preference "
-                          f"accuracy: docs/posttrain.md)")
 
 
 def _model_args(cfg: JobConfig, sources):

@@ -110,7 +110,8 @@ class Training:
         "Fine-tuning (docs/finetune.md): chat reads JSON-lines conversations at dataset_path; "
         "python_docs_chat is an embedded question/answer set made from the Python docs. "
         "Preference pairs (docs/posttrain.md): preference reads JSON-lines {prompt, chosen, "
-        "rejected} at dataset_path; python_docs_preference is embedded.")
+        "rejected}, or a save_to_disk folder of them, at dataset_path; python_docs_preference is "
+        "embedded.")
     dataset_path: str = opt(
         "", "File, folder or glob of the dataset (c4: the folder holding en/), local or a gs:// or "
         "s3:// URL; empty: the registry default.")
@@ -230,8 +231,9 @@ class Validation:
         10, "Batches per validation (each of local_batch_size x data-parallel degree sequences); "
         "-1: the whole split (its last partial batch left out), one host only.", ge=-1)
     dataset: Literal["", "python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
-                     "python_docs_chat"] = opt(
-        "", "Dataset to validate on; empty: training.dataset.")
+                     "python_docs_chat", "preference", "python_docs_preference"] = opt(
+        "", "Dataset to validate on; empty: training.dataset. Preference pairs: the preference "
+        "objective's loss and rewards (docs/posttrain.md).")
     dataset_path: str = opt(
         "", "Its file, folder or glob; empty: training.dataset_path when the dataset is training's, "
         "else the registry default.")

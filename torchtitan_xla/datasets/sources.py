@@ -30,6 +30,7 @@ DATASET_NAMES = ("python_docs", "c4", "json", "parquet", "text", "hf", "syntheti
                  "python_docs_chat", "preference", "python_docs_preference")
 CHAT_DATASETS = ("chat", "python_docs_chat")
 JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+SAVED_MARKERS = ("dataset_dict.json", "dataset_info.json")  # what save_to_disk writes in its folder
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,31 +254,43 @@ def _parquet(path: str, split: str) -> datasets.IterableDataset:
 
 def _hf(path: str, split: str) -> datasets.IterableDataset:
     """A dataset saved with `save_to_disk` (a folder), or a Hub dataset id (streamed; online)."""
-    import datasets
-
     if not path:
         raise ConfigError(
             "[training] dataset_path: the 'hf' dataset needs a save_to_disk folder or a Hub id")
-    folder = path if storage.is_url(path) else str(Path(path).expanduser())
-    if storage.isdir(folder):
-        try:
-            ds = datasets.load_from_disk(folder)
-        except FileNotFoundError as e:
-            raise ConfigError(f"[training] dataset_path: {path} is not a save_to_disk folder "
-                              f"({first_line(e, typed=False)})") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise ConfigError(f"[training] dataset_split: {path} has splits "
-                                  f"{', '.join(ds)}, not {split!r}")
-            ds = ds[split]
-        elif split != "train":
-            raise ConfigError(f"[training] dataset_split: {path} holds a single split; "
-                              f"{split!r} needs a DatasetDict")
-        if len(ds) == 0:
-            raise ConfigError(f"[training] dataset_path: {path} has no rows")
+    folder = _saved_folder(path)
+    if folder:
+        ds = _saved_split(folder, path, split)
         # Many shards so that hosts and workers can each take whole shards.
         return _text_column(ds.to_iterable_dataset(num_shards=min(len(ds), 1024)), path)
     return _hub(path, split)
+
+
+def _saved_folder(path: str) -> str | None:
+    """`path` as a folder to give `load_from_disk`, or None where it is no folder."""
+    folder = path if storage.is_url(path) else str(Path(path).expanduser())
+    return folder if storage.isdir(folder) else None
+
+
+def _saved_split(folder: str, path: str, split: str) -> datasets.Dataset:
+    """The split `split` of a `save_to_disk` folder (a Dataset is the train split), not empty."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(folder)
+    except FileNotFoundError as e:
+        raise ConfigError(f"[training] dataset_path: {path} is not a save_to_disk folder "
+                          f"({first_line(e, typed=False)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"[training] dataset_split: {path} has splits "
+                              f"{', '.join(ds)}, not {split!r}")
+        ds = ds[split]
+    elif split != "train":
+        raise ConfigError(f"[training] dataset_split: {path} holds a single split; "
+                          f"{split!r} needs a DatasetDict")
+    if len(ds) == 0:
+        raise ConfigError(f"[training] dataset_path: {path} has no rows")
+    return ds
 
 
 def _hub(repo_id: str, split: str, config: str | None = None) -> datasets.IterableDataset:
@@ -324,12 +337,33 @@ def _python_docs_chat(path: str, split: str) -> datasets.IterableDataset:
 
 
 def _preference(path: str, split: str) -> datasets.IterableDataset:
+    """JSON lines of pairs (files, a folder of them or a glob; one split), or a `save_to_disk`
+    folder of them (TRL's columns prompt, chosen, rejected; its splits)."""
     from torchtitan_xla.datasets import preference
 
-    _only_train("preference", split)
-    files = _local_files(path, JSON_SUFFIXES, "preference")
-    pairs = [pair for file in files for pair in records_in(file, preference.parse_pair)]  # checked now
+    folder = _saved_folder(path) if path else None
+    if folder and any(storage.exists(storage.join(folder, f)) for f in SAVED_MARKERS):
+        pairs = []
+        for row, record in enumerate(_saved_split(folder, path, split)):
+            try:
+                pairs.append(preference.parse_pair(_without_nulls(record)))  # checked now
+            except ConfigError as e:
+                raise ConfigError(f"{path} ({split} split), row {row}: {e}") from None
+    else:
+        _only_train("preference", split)
+        files = _local_files(path, JSON_SUFFIXES, "preference")
+        pairs = [pair for file in files for pair in records_in(file, preference.parse_pair)]  # checked now
     return _from_generator(preference.encode_pairs, column="pair", pairs=pairs)
+
+
+def _without_nulls(value):
+    """A row as its JSON line would be: Arrow gives a key some rows lack (a system prompt, a
+    message's name) to every row, as None where absent."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _python_docs_preference(path: str, split: str) -> datasets.IterableDataset:
