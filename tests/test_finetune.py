@@ -154,7 +154,7 @@ def test_the_loss_is_the_mean_over_every_counted_label_of_the_global_batch(strai
     from torchtitan_xla.losses import token_losses
     from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
-    from torchtitan_xla.models.llama.state_dict_adapter import from_hf
+    from torchtitan_xla.models.llama.state_dict_adapter import from_hf as hf_to_ours
 
     cfg = parse_args(tiny_args(straight[0] / "unused", *CHAT))
     tokenizer = build_tokenizer("")
@@ -163,7 +163,7 @@ def test_the_loss_is_the_mean_over_every_counted_label_of_the_global_batch(strai
     loader.close()
     args = get_model_args("llama3", "debugmodel", vocab_size=tokenizer.n_words, max_seq_len=256, **TWO_BLOCKS)
     model = Transformer(args)
-    model.load_state_dict(from_hf(read_hf_state_dict(straight[0] / "checkpoint" / "step-6-hf"), args),
+    model.load_state_dict(hf_to_ours(read_hf_state_dict(straight[0] / "checkpoint" / "step-6-hf"), args),
                           strict=False)  # the RoPE tables are the constructor's
     with torch.no_grad():
         losses = token_losses(model(inputs, positions, documents).double(), labels)
