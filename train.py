@@ -212,13 +212,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     if job_config.validation.enable:
         val_config = validation_config(job_config)
         val_batch = training.local_batch_size * parallel_dims.dp_degree
+        # Held-out pairs: the preference objective of one validation batch, with the reference.
         pairs = validates_pairs(job_config)
-        val_objective = build_objective(job_config, global_batch=val_batch, accumulation_steps=1)
         validator = build_validator(
             job_config, model=model,
             loss_fn=build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree,
                                   autocast_dtype=autocast_dtype, plain=True),
-            objective=val_objective if pairs else None, reference=reference if pairs else None,
+            objective=build_objective(job_config, global_batch=val_batch, accumulation_steps=1)
+            if pairs else None,
+            reference=reference if pairs else None,
             make_loader=lambda: build_data_loader(
                 val_config, tokenizer,
                 batch_size=val_batch // data_count,
