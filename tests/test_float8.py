@@ -146,7 +146,7 @@ def test_errors_are_those_of_float8_rounding(layer):
 
 
 def test_xla_computes_exactly_the_scaled_float8_product(layer):
-    """Against float8_dot's CPU kernel (torch's float8 casts, then torch._scaled_mm): the
+    """Against float8_dot's CPU kernel (torch's float8 casts, then a float32 dot): the
     same float8 operands, so only the order of the float32 sums may differ (K * 2^-24 relative
     to the sum of |terms|). Measured: bit-identical."""
     x, w, g, results, _ = layer
@@ -168,22 +168,27 @@ def test_xla_computes_exactly_the_scaled_float8_product(layer):
     ((3, 7, 40), (24, 40), ([2], [1]), E4M3, False),  # widths GPUs' float8 GEMMs refuse: upcast
 ])
 def test_off_xla_the_dot_is_one_scaled_mm_gemm_with_the_emulations_values(a_shape, b_shape, dims, fa, gemm):
-    """The float8 dot off XLA (the native runtime's CPU and CUDA kernel) is torch._scaled_mm on
-    [free, contracted] x [contracted, free] matrices: the upcast emulation's values (the same
-    float8 products, summed in float32; measured bit-identical on the CPU), in every layout a
-    linear layer's three matmuls give it."""
-    from torchtitan_xla.float8 import _float8_dot, _upcast_dot
+    """The float8 dot's GPU kernel (the native runtime's) is torch._scaled_mm on [free, contracted]
+    x [contracted, free] matrices: the upcast emulation's values (the same float8 products, summed
+    in float32; measured bit-identical on the CPU), in every layout a linear layer's three matmuls
+    give it. The op on the CPU is the emulation itself: no _scaled_mm, whose CPU kernel is a slow
+    reference loop."""
+    from torchtitan_xla.float8 import _float8_dot, _float8_dot_scaled_mm, _upcast_dot
 
     g = torch.Generator().manual_seed(len(a_shape) * a_shape[-1])
     a, b = torch.randn(a_shape, generator=g) * 3, torch.randn(b_shape, generator=g)
     args = (a, b, tensorwise_scale(a, fa), tensorwise_scale(b, E4M3), *dims, fa, E4M3, torch.float32)
     with torch.profiler.profile() as prof:
-        got = float8_dot(*args)
+        got = _float8_dot_scaled_mm(*args)
     want = _float8_dot(_upcast_dot, *args)
     assert got.shape == want.shape
     k = math.prod(a_shape[d] for d in dims[0])
     assert ((got - want).abs() <= k * EPS32 * want.abs().max()).all()
     assert any(e.key == "aten::_scaled_mm" for e in prof.key_averages()) == gemm
+    with torch.profiler.profile() as prof:
+        on_cpu = float8_dot(*args)
+    assert torch.equal(on_cpu, want)
+    assert not any(e.key == "aten::_scaled_mm" for e in prof.key_averages())
 
 
 def test_hlo_has_float8_dots_with_float32_results_and_no_other_matmul(layer):

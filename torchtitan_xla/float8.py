@@ -116,9 +116,11 @@ def _float8_dot_xla(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, ou
     return _float8_dot(dot_f32, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
-@float8_dot.register_kernel(("cpu", "cuda"))
+@float8_dot.register_kernel("cuda")
 def _float8_dot_scaled_mm(a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype):
-    """Off XLA: torch._scaled_mm (the native runtime, on each process's blocks under DTensor)."""
+    """On GPUs: torch._scaled_mm (the native runtime, on each process's blocks under DTensor). The
+    CPU keeps the upcast body: its _scaled_mm is a reference loop, hundreds of times slower
+    (docs/float8.md), with the same values."""
     return _float8_dot(_scaled_mm_dot, a, b, a_scale, b_scale, a_dims, b_dims, a_dtype, b_dtype, out_dtype)
 
 
