@@ -3,7 +3,7 @@ set of processes (starting torch on several processes costs more than a small jo
 
 A job is {"args": [train.py flags], "out": path, "overrides": {ModelArgs fields}}; without
 $NATIVE_JOBS, one job: the command line's flags, $NATIVE_OUT and $NATIVE_OVERRIDES. Rank 0 writes
-to a job's "out" the logged losses and grad norms, the job's own log lines and, for every
+to a job's "out" the logged losses and grad norms, the job's own log lines, its seconds and, for every
 parameter, its DTensor placements, the spec `parallelisms` gave it, and its global and local
 shapes; every rank r writes to <out>.rank<r> a fingerprint of each batch its data loader handed
 to training."""
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,6 +80,7 @@ for index, job in enumerate(jobs):
     fingerprints.clear()
     log = JobLog()
     logger.addHandler(log)
+    started = time.monotonic()
     try:
         history = train.main(parse_args(job["args"]), model_overrides=job.get("overrides") or {})
     finally:
@@ -87,7 +89,7 @@ for index, job in enumerate(jobs):
     if rank == 0:
         Path(job["out"]).write_text(json.dumps({
             "losses": {s.step: s.loss for s in history}, "grad_norms": {s.step: s.grad_norm for s in history},
-            "layout": layout, "log": "\n".join(log.lines),
+            "layout": layout, "log": "\n".join(log.lines), "seconds": round(time.monotonic() - started, 1),
             # DeepSeek's expert biases (replicated: each process's copy is the whole).
             "expert_bias": {n: (b.to_local() if hasattr(b, "to_local") else b).tolist()
                             for n, b in models[0].named_buffers() if n.endswith("expert_bias")}}))
