@@ -20,6 +20,10 @@ os.environ["TORCHTITAN_XLA_CACHE"] = _CACHE
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "hf_datasets")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# torch.compile's on-disk cache (default /tmp/torchinductor_$USER) is keyed without the vector ISA:
+# CPU kernels built for AVX-512 and served to a run pinned to AVX2 (ATEN_CPU_CAPABILITY) segfault.
+# Each test session compiles into its own (docs/performance.md, "On the other kind of CPU").
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
 
 import pytest  # noqa: E402
 
