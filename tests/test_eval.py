@@ -417,7 +417,7 @@ def generated(straight, tmp_path_factory):
     (folder / "gsm.jsonl").write_text(_lines(QUESTIONS))
     (folder / "shots.jsonl").write_text(_lines(SHOTS))
     flags = ["--eval.num_fewshot", "2", "--eval.fewshot_path", str(folder / "shots.jsonl"),
-             "--eval.max_gen_toks", "16"]
+             "--eval.fewshot_sampler", "first_n", "--eval.max_gen_toks", "16"]
     task = {"generate_until": folder / "gsm.jsonl"}
     hf_dir = straight[0] / "checkpoint" / "step-6-hf"
     ours, _ = _ours(folder / "one", 1, hf_dir, task, *flags)
@@ -439,12 +439,63 @@ def test_generate_until_equals_lm_eval_request_by_request(generated):
 
     ours, sharded, reference = generated
     name = "generate_until:gsm.jsonl"
-    assert contexts(Task("generate_until", REPO, QUESTIONS), SHOTS) == reference["contexts"]
+    assert contexts(Task("generate_until", REPO, QUESTIONS), [SHOTS] * len(QUESTIONS)) == reference["contexts"]
     assert ours["samples"][name] == reference["resps"]
     assert [extract_answer(c) for c in ours["samples"][name]] == reference["filtered"]
     assert ours["results"][name]["exact_match"] == reference["results"]["exact_match,strict-match"]
     assert sharded["samples"][name] == ours["samples"][name]
     assert any(len(c) > 20 for c in reference["resps"])  # something was generated
+
+
+# lm-eval's stock gsm8k.yaml as to the few-shot examples: no fewshot_config (its default sampler).
+STOCK_YAML = """\
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files: {{test: {test}, train: {train}}}
+test_split: test
+fewshot_split: {fewshot_split}
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+num_fewshot: 3
+"""
+
+
+@pytest.mark.parametrize("fewshot_split", ["train", "test"], ids=["own file", "the task's file"])
+def test_the_default_sampler_draws_lm_evals_examples_for_every_question(fewshot_split, tmp_path):
+    """lm-eval's default sampler (the stock gsm8k task's): random examples per question from the
+    seeded generator lm-eval's evaluator gives each task (1234): every prompt equals lm-eval's
+    built requests', with the examples from their own file and from the task's own file (drawn one
+    more, the question itself dropped). first_n gives every question the file's first examples."""
+    lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.eval.tasks import contexts, fewshot_docs, fewshot_for_each, parse_task
+
+    questions = [{"question": f"What is {i} plus {i + 1}?", "answer": f"{2 * i + 1}\n#### {2 * i + 1}"}
+                 for i in range(12)]
+    pool = [{"question": f"Count to {i}.", "answer": f"#### {i}"} for i in range(9)]
+    (tmp_path / "test.jsonl").write_text(_lines(questions))
+    (tmp_path / "train.jsonl").write_text(_lines(pool))
+    (tmp_path / "stock.yaml").write_text(STOCK_YAML.format(
+        name="stock", test=tmp_path / "test.jsonl", train=tmp_path / "train.jsonl", fewshot_split=fewshot_split))
+    task = lm_eval_tasks.TaskManager(include_path=str(tmp_path)).load_task_or_group(["stock"])["stock"]
+    task.set_fewshot_seed(seed=1234)  # as lm_eval.simple_evaluate does for every task
+    task.build_all_requests(rank=0, world_size=1)
+    reference = [i.arguments[0] for i in sorted(task.instances, key=lambda i: i.doc_id)]
+
+    shots = tmp_path / ("train.jsonl" if fewshot_split == "train" else "test.jsonl")
+    cfg = parse_args(["--eval.num_fewshot", "3", "--eval.fewshot_path", str(shots)])
+    ours = parse_task(f"generate_until:{tmp_path / 'test.jsonl'}")
+    drawn = fewshot_for_each(cfg.eval, ours, fewshot_docs(cfg.eval, cfg.training.seq_len))
+    assert contexts(ours, drawn) == reference
+    assert len({tuple(s["question"] for s in d) for d in drawn}) > 6  # random per question
+    if fewshot_split == "test":
+        assert all(doc not in d for doc, d in zip(questions, drawn))
+    first = parse_args(["--eval.num_fewshot", "3", "--eval.fewshot_path", str(shots),
+                        "--eval.fewshot_sampler", "first_n"]).eval
+    assert fewshot_for_each(first, ours, fewshot_docs(first, 2048)) == [(pool if fewshot_split == "train"
+                                                                          else questions)[:3]] * 12
 
 
 def test_answer_extraction_and_exact_match_equal_lm_evals_filter_and_metric(generated):

@@ -255,9 +255,13 @@ class Eval:
     output_file: str = opt(
         "eval_results.json", "Scores and per-request log-likelihoods (JSON), inside dump_folder.")
     at_end: bool = opt(False, "train.py: evaluate the tasks after the last step.")
-    num_fewshot: int = opt(
-        0, "generate_until: examples before each question, the first of fewshot_path.", ge=0)
+    num_fewshot: int = opt(0, "generate_until: solved examples before each question.", ge=0)
     fewshot_path: str = opt("", "generate_until: JSON lines of solved examples, as the task's.")
+    fewshot_sampler: Literal["default", "first_n"] = opt(
+        "default", "generate_until: which examples each question gets, as lm-eval's samplers draw "
+        "them: default, num_fewshot at random per question (seeded by fewshot_seed; the stock "
+        "gsm8k task's); first_n, the first num_fewshot of fewshot_path for every question.")
+    fewshot_seed: int = opt(1234, "generate_until: the default sampler's seed (lm-eval's fewshot seed).")
     until: list[str] = opt(["Question:", "</s>", "<|im_end|>"],
                            "generate_until: stop strings (GSM8K's; EOS always stops).")
     max_gen_toks: int = opt(256, "generate_until: tokens generated at most per question.", gt=0)

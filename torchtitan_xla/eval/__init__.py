@@ -19,6 +19,7 @@ from torchtitan_xla.eval.tasks import (
     Task,
     contexts,
     fewshot_docs,
+    fewshot_for_each,
     metrics,
     parse_task,
     requests,
@@ -74,7 +75,8 @@ def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, devic
 
     e, seq_len = job_config.eval, job_config.training.seq_len
     room = (seq_len - e.max_gen_toks) // 16 * 16
-    encoded = [tokenizer.encode(c, bos=True, eos=False) for c in contexts(task, fewshot_docs(e, seq_len))]
+    shots = fewshot_for_each(e, task, fewshot_docs(e, seq_len))
+    encoded = [tokenizer.encode(c, bos=True, eos=False) for c in contexts(task, shots)]
     if any(len(p) > room for p in encoded):
         logger.warning(f"{task.name}: {sum(len(p) > room for p in encoded)} prompt(s) longer than "
                        f"{room} tokens (seq_len - max_gen_toks, in 16s) lose their left end")

@@ -13,8 +13,9 @@ whole document's log-likelihood (lm-eval's loglikelihood_rolling) instead.
   is " " + choice: acc (highest summed log-likelihood) and acc_norm (divided by the choice's
   length in characters), as lm-eval's multiple_choice tasks (BoolQ, HellaSwag, PIQA).
 - `generate_until`: JSON lines {"question": ..., "answer": ...} (GSM8K's fields). Each question
-  is asked as lm-eval's gsm8k task asks it: `[eval] num_fewshot` solved examples (the first of
-  `fewshot_path`) then "Question: {question}\nAnswer:", answered by greedy generation until a
+  is asked as lm-eval's gsm8k task asks it: `[eval] num_fewshot` solved examples (from
+  `fewshot_path`, drawn as lm-eval's `fewshot_sampler` draws them) then
+  "Question: {question}\nAnswer:", answered by greedy generation until a
   stop string (`[eval] until`) or EOS; the answer is the first number after "#### " ("[invalid]"
   when there is none) and its exact_match is GSM8K's strict-match (",", "$", a trailing "." and
   all up to "#### " ignored, case ignored).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,8 +118,8 @@ def requests(task: Task) -> list[tuple[str, str]]:
 
 
 def fewshot_docs(e, seq_len: int) -> list[dict]:
-    """generate_until's solved examples (`e`: [eval]), checked: the first num_fewshot of
-    fewshot_path, and room for a question beside max_gen_toks in seq_len."""
+    """generate_until's solved examples (`e`: [eval]), checked: all of fewshot_path, at least
+    num_fewshot of them, and room for a question beside max_gen_toks in seq_len."""
     if e.max_gen_toks + 16 > seq_len:
         raise ConfigError(f"[eval] max_gen_toks = {e.max_gen_toks}: leaves no room for a question "
                           f"in [training] seq_len {seq_len} (at least 16 tokens)")
@@ -132,14 +134,33 @@ def fewshot_docs(e, seq_len: int) -> list[dict]:
     docs = read_docs("generate_until", file)
     if len(docs) < e.num_fewshot:
         raise ConfigError(f"[eval] num_fewshot = {e.num_fewshot}: {file} has {len(docs)} examples")
-    return docs[:e.num_fewshot]
+    return docs
 
 
-def contexts(task: Task, fewshot: list[dict]) -> list[str]:
-    """generate_until: each question's prompt, after the solved examples (lm-eval's gsm8k:
-    doc_to_text, target delimiter " ", few-shot delimiter "\\n\\n")."""
-    shots = "".join(f"Question: {d['question']}\nAnswer: {d['answer']}\n\n" for d in fewshot)
-    return [f"{shots}Question: {d['question']}\nAnswer:" for d in task.docs]
+def fewshot_for_each(e, task: Task, pool: list[dict]) -> list[list[dict]]:
+    """Each question's solved examples, as lm-eval 0.4's samplers draw them from `pool`
+    (`fewshot_docs`): first_n, its first num_fewshot; default, `random.Random(fewshot_seed)
+    .sample(pool, num_fewshot)` for each question in turn, one generator for the task. Where the
+    pool is the task's own file (lm-eval: fewshot split = test split) it draws one more and drops
+    the question itself. Python's own `random`, as lm-eval's: the same seed draws the same examples."""
+    n = e.num_fewshot
+    if not n or e.fewshot_sampler == "first_n":
+        return [pool[:n]] * len(task.docs)
+    rnd = random.Random(e.fewshot_seed)
+    if Path(e.fewshot_path).resolve() != task.path.resolve():
+        return [rnd.sample(pool, n) for _ in task.docs]
+    out = []
+    for doc in task.docs:
+        shots = [x for x in rnd.sample(pool, n + 1) if x != doc][:n]
+        out.append(shots if len(shots) == n else rnd.sample([x for x in pool if x != doc], n))
+    return out
+
+
+def contexts(task: Task, fewshot: list[list[dict]]) -> list[str]:
+    """generate_until: each question's prompt, after its solved examples (`fewshot_for_each`;
+    lm-eval's gsm8k: doc_to_text, target delimiter " ", few-shot delimiter "\\n\\n")."""
+    return ["".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n" for s in shots)
+            + f"Question: {d['question']}\nAnswer:" for d, shots in zip(task.docs, fewshot, strict=True)]
 
 
 def extract_answer(completion: str) -> str:
