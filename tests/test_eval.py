@@ -3,6 +3,7 @@ exported model and the same local files: identical choices, equal log-likelihood
 the checkpoint tests' shared run (conftest.py's `straight`), exported to HF at step 6."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -470,6 +471,7 @@ def test_the_default_sampler_draws_lm_evals_examples_for_every_question(fewshot_
     more, the question itself dropped). first_n gives every question the file's first examples."""
     lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
     from torchtitan_xla.config import parse_args
+    from torchtitan_xla.errors import ConfigError
     from torchtitan_xla.eval.tasks import contexts, fewshot_docs, fewshot_for_each, parse_task
 
     questions = [{"question": f"What is {i} plus {i + 1}?", "answer": f"{2 * i + 1}\n#### {2 * i + 1}"}
@@ -492,6 +494,10 @@ def test_the_default_sampler_draws_lm_evals_examples_for_every_question(fewshot_
     assert len({tuple(s["question"] for s in d) for d in drawn}) > 6  # random per question
     if fewshot_split == "test":
         assert all(doc not in d for doc, d in zip(questions, drawn))
+        many = parse_args(["--eval.num_fewshot", "12", "--eval.fewshot_path", str(shots)]).eval
+        with pytest.raises(ConfigError, match=re.escape(
+                "[eval] num_fewshot = 12: fewshot_path is the task's own file, of 12 questions")):
+            fewshot_for_each(many, ours, fewshot_docs(many, 2048))
     first = parse_args(["--eval.num_fewshot", "3", "--eval.fewshot_path", str(shots),
                         "--eval.fewshot_sampler", "first_n"]).eval
     assert fewshot_for_each(first, ours, fewshot_docs(first, 2048)) == [(pool if fewshot_split == "train"

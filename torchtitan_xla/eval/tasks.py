@@ -149,6 +149,9 @@ def fewshot_for_each(e, task: Task, pool: list[dict]) -> list[list[dict]]:
     rnd = random.Random(e.fewshot_seed)
     if Path(e.fewshot_path).resolve() != task.path.resolve():
         return [rnd.sample(pool, n) for _ in task.docs]
+    if len(pool) <= n:
+        raise ConfigError(f"[eval] num_fewshot = {n}: fewshot_path is the task's own file, of {len(pool)} "
+                          f"questions; each question's examples are drawn from the others")
     out = []
     for doc in task.docs:
         shots = [x for x in rnd.sample(pool, n + 1) if x != doc][:n]
