@@ -300,6 +300,10 @@ def test_malformed_task_line_is_one_line_with_file_and_line(tmp_path, content, m
     (["--eval.tasks", "generate_until:{gsm}", "--eval.max_gen_toks", "60"],
      r"error: command line: --eval.max_gen_toks = 60: leaves no room for a question in \[training\] seq_len 64"),
     (["--eval.tasks", "generate_until:{lambada}"], r"error: .*lambada.jsonl:1: expected a string \"question\""),
+    # (QUESTIONS: 5; each question draws its examples from the other 4)
+    (["--eval.tasks", "generate_until:{gsm}", "--eval.num_fewshot", "5", "--eval.fewshot_path", "{gsm}",
+      "--eval.max_gen_toks", "16"],
+     r"error: command line: --eval.num_fewshot = 5: fewshot_path is the task's own file, of 5 questions"),
 ])
 def test_bad_eval_input_is_one_line_exit_2(tmp_path, task_files, flags, message):
     (tmp_path / "gsm.jsonl").write_text(_lines(QUESTIONS))

@@ -32,7 +32,7 @@ def main(job_config: JobConfig) -> dict:
                       else "replay")
 
     from torchtitan_xla.eval import evaluate, parse_task, write_results
-    from torchtitan_xla.eval.tasks import GENERATIVE, fewshot_docs
+    from torchtitan_xla.eval.tasks import GENERATIVE, fewshot_docs, fewshot_for_each
     from torchtitan_xla.inference import hf_eos_ids, inference_config, load_model, weights_folder
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.parallelisms import BATCH_AXES
@@ -42,8 +42,8 @@ def main(job_config: JobConfig) -> dict:
     tasks = [parse_task(spec) for spec in job_config.eval.tasks]
     if not tasks:
         raise ConfigError("[eval] tasks: none given; e.g. --eval.tasks multiple_choice:boolq.jsonl")
-    if any(t.kind in GENERATIVE for t in tasks):
-        fewshot_docs(job_config.eval, job_config.training.seq_len)  # checked before the model loads
+    for task in (t for t in tasks if t.kind in GENERATIVE):  # checked before the model loads
+        fewshot_for_each(job_config.eval, task, fewshot_docs(job_config.eval, job_config.training.seq_len))
     path, is_hf = weights_folder(job_config.eval.checkpoint, job_config, "[eval] checkpoint")
     out_file = join(job_config.job.dump_folder, job_config.eval.output_file)
     check_writable(job_config.job.dump_folder, "[job] dump_folder")
