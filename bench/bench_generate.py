@@ -1,7 +1,8 @@
 """Generation speed on this machine: prefill and decode tokens/s of torchtitan_xla.generate's
 Generator on the Llama 3 debug model (random weights, 2,256-token vocabulary), on the XLA runtime
-(compiled prefill and decode graphs) and on the native runtime (eager PyTorch), one process each,
-in one invocation so the ratio compares the same machine state.
+(compiled prefill and decode graphs) and on the native runtime (eager PyTorch, and each call one
+torch.compile'd graph), one process each, in one invocation so the ratios compare the same machine
+state.
 
     python bench/bench_generate.py                      # batch 4, prompts of 32, 64 new tokens
     python bench/bench_generate.py --batch 8 --new-tokens 128
@@ -31,8 +32,9 @@ def worker(opts) -> None:
     sys.path.insert(0, str(REPO))
     from torchtitan_xla import runtime
 
-    runtime.use(opts.worker)
-    runtime.configure("lazy" if opts.worker == "xla" else "eager")
+    backend, step_compiler = RUNS[opts.worker]
+    runtime.use(backend)
+    runtime.configure(step_compiler)
     from torchtitan_xla.generate import Generator
     from torchtitan_xla.models import get_model_args, get_model_class
 
@@ -44,7 +46,8 @@ def worker(opts) -> None:
     model.init_weights()
     model = model.to(device).eval()
     runtime.materialise()
-    gen = Generator(model, cache_size=cache, batch_size=opts.batch, device=device, eos_ids=[], pad_id=0)
+    gen = Generator(model, cache_size=cache, batch_size=opts.batch, device=device, eos_ids=[], pad_id=0,
+                    step_compiler=step_compiler)
     prompts = torch.randint(1, 2256, (opts.batch, opts.prompt_len)).tolist()
     gen(prompts, opts.new_tokens)  # warm-up: the compiles
     compiles = runtime.compile_stats()[0]
@@ -59,13 +62,17 @@ def worker(opts) -> None:
     print(json.dumps({"rounds": rows, "compiles_after_warmup": runtime.compile_stats()[0] - compiles}))
 
 
+# name: (runtime, step compiler)
+RUNS = {"xla": ("xla", "lazy"), "native": ("native", "eager"), "native-compile": ("native", "compile")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--worker", choices=["xla", "native"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.worker:
         return worker(opts)
@@ -74,7 +81,7 @@ def main() -> None:
 
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
     results = {}
-    for kind in ("xla", "native"):
+    for kind in RUNS:
         out = subprocess.run([sys.executable, __file__, "--worker", kind, *sys.argv[1:]], env=env,
                              capture_output=True, text=True, check=True).stdout
         results[kind] = json.loads(out.strip().splitlines()[-1])
@@ -84,9 +91,10 @@ def main() -> None:
     med = {k: {m: statistics.median(r[m] for r in v["rounds"]) for m in ("prefill", "decode")}
            for k, v in results.items()}
     for kind, m in med.items():
-        print(f"{kind:>6}: prefill {m['prefill']:,.0f} tokens/s, decode {m['decode']:,.1f} tokens/s "
+        print(f"{kind:>14}: prefill {m['prefill']:,.0f} tokens/s, decode {m['decode']:,.1f} tokens/s "
               f"(compiles after warm-up: {results[kind]['compiles_after_warmup']})")
-    print(f"decode, XLA / native: {med['xla']['decode'] / med['native']['decode']:.2f}x")
+    for kind in ("xla", "native-compile"):
+        print(f"decode, {kind} / native eager: {med[kind]['decode'] / med['native']['decode']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ for index, job in enumerate(jobs):
     if rank == 0:
         Path(job["out"]).write_text(json.dumps({
             "losses": {s.step: s.loss for s in history}, "grad_norms": {s.step: s.grad_norm for s in history},
+            "validation_metrics": {s.step: s.validation_metrics for s in history if s.validation_metrics},
             "layout": layout, "log": "\n".join(log.lines), "seconds": round(time.monotonic() - started, 1),
             # DeepSeek's expert biases (replicated: each process's copy is the whole).
             "expert_bias": {n: (b.to_local() if hasattr(b, "to_local") else b).tolist()

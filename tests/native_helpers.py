@@ -33,12 +33,16 @@ def native_jobs(folder: Path, processes: int, jobs: dict[str, list[str]], *,
         specs.append({"args": tiny_args(sub, *NATIVE, *flags), "out": str(sub / "result.json"),
                       "overrides": (model or {}) | (overrides or {}).get(name, {})})
         results[name] = {"folder": sub}
+    # Each process's output in its own file, so that a failure shows the process that failed first.
+    logs = folder / "torchrun_logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-           str(REPO / "tests" / "native_driver.py")]
+           "--log-dir", str(logs), "--redirects", "3", str(REPO / "tests" / "native_driver.py")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_"))}
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, NATIVE_JOBS=json.dumps(specs)),
                        timeout=timeout)
-    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.returncode == 0, p.stderr[-1500:] + "".join(
+        f"\n--- {log.relative_to(logs)} ---\n{log.read_text(errors='replace')[-2500:]}"
+        for log in sorted(logs.glob("**/std*.log")) if log.stat().st_size)
     for spec, result in zip(specs, results.values()):
         result |= json.loads(Path(spec["out"]).read_text())
     return results

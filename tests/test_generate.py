@@ -178,11 +178,14 @@ def _generate(cli_setup, dump, *extra, devices=1):
 @pytest.fixture(scope="module")
 def cli_runs(cli_setup, tmp_path_factory):
     """The command's output lines and log on one device, on fsdp=4 x tp=2, and on the native
-    runtime (one process, eager)."""
+    runtime (one process, eager); and 100 new tokens on the native runtime, compiled and eager."""
     out = {}
+    native, long = ["--runtime.backend", "native"], ["--training.seq_len", "160", "--generate.max_new_tokens", "100"]
     for name, devices, extra in (("one", 1, []), ("fsdp4_tp2", 8, ["--parallelism.tensor_parallel_degree", "2"]),
-                                 ("native", 1, ["--runtime.backend", "native", "--compile.step", "eager"])):
-        dump = tmp_path_factory.mktemp(name)
+                                 ("native", 1, [*native, "--compile.step", "eager"]),
+                                 ("native compiled, 100", 1, [*native, *long, "--compile.step", "compile"]),
+                                 ("native eager, 100", 1, [*native, *long, "--compile.step", "eager"])):
+        dump = tmp_path_factory.mktemp(re.sub(r"\W+", "_", name))
         p = _generate(cli_setup, dump, *extra, devices=devices)
         assert p.returncode == 0, p.stderr[-3000:]
         out[name] = ([json.loads(line) for line in (dump / "generations.jsonl").read_text().splitlines()],
@@ -219,6 +222,16 @@ def test_the_command_equals_transformers_with_the_chat_template(cli_setup, cli_r
 @pytest.mark.parametrize("run", ["fsdp4_tp2", "native"])
 def test_the_command_on_a_mesh_and_on_the_native_runtime_gives_one_devices_completions(cli_runs, run):
     assert cli_runs[run][0] == cli_runs["one"][0]
+
+
+def test_the_native_runtimes_decode_step_compiles_once_over_100_tokens(cli_runs):
+    """`--compile.step compile` on the native runtime: the prefill and the decode step are one
+    torch.compile'd graph each (2 in total), the decode's reused at each of the 99 later positions
+    of every row; the completions are the eager step's."""
+    (compiled, log), (eager, _) = cli_runs["native compiled, 100"], cli_runs["native eager, 100"]
+    assert compiled == eager
+    assert [line["finish"] for line in compiled] == ["length"] * 3  # no row stopped early
+    assert "decode 297 tokens" in log and "(2 compiles in total)" in log, log[-2000:]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -46,6 +46,10 @@ OPTIMIZER_MESHES = {"Lion": ["--parallelism.tensor_parallel_degree", "2"],
 CHAT = ["--training.dataset", "python_docs_chat", "--training.packing", "true"]  # document masks
 CHUNKED = ["--loss.chunk_size", "32", "--loss.label_smoothing", "0.1", "--loss.z_loss_weight", "1e-4"]
 LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "3e-3"]
+# Preference pairs of up to 192 tokens, 4 rows per microbatch.
+PREFERENCE = ["--training.dataset", "python_docs_preference", "--training.seq_len", "192",
+              "--training.global_batch_size", "8", "--training.local_batch_size", "4", "--preference.beta", "0.1"]
+HELD_OUT = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "2"]  # after steps 3, 6
 CHUNKED_MESHES = {"tp=2": ["--parallelism.tensor_parallel_degree", "2"],
                   "fsdp=2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]}
 PROFILED = ["--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_active", "2"]
@@ -96,6 +100,18 @@ def float8_job(seed: Path) -> list[str]:
     return [*from_seed(seed, steps=6), "--float8.enable_float8_linear", "--training.local_batch_size", "8"]
 
 
+def preference_job(seed: Path, flags: list[str]) -> list[str]:
+    """A preference objective from the seed checkpoint, its reference (dpo, ipo) the same weights."""
+    return [*from_seed(seed, steps=6), *PREFERENCE, *flags]
+
+
+# name: (the job's flags, its native mesh). IPO with LoRA: the reference is the adapters switched off.
+PREFERENCE_JOBS = {"dpo": (["--training.objective", "dpo", *HELD_OUT],
+                           ["--parallelism.tensor_parallel_degree", "2"]),
+                   "ipo lora": (["--training.objective", "ipo", *LORA],
+                                ["--parallelism.data_parallel_shard_degree", "2"])}
+
+
 def chat_job(seed: Path) -> list[str]:
     return [*from_seed(seed, steps=6), *CHAT, "--training.global_batch_size", "8", "--training.local_batch_size", "8"]
 
@@ -132,8 +148,8 @@ def eight_processes(seed, moe_seed, xla_eight, tmp_path_factory) -> dict:
 def two_processes(seed, tmp_path_factory) -> dict:
     """On two processes: the default (compiled) step of the ten-block model on tp=2, first (its
     compile counts are this process's first); accumulation with activation checkpointing; every
-    optimizer beyond AdamW; packed chat data and float8 on tp=2; the chunked loss on each of
-    CHUNKED_MESHES."""
+    optimizer beyond AdamW; packed chat data and float8 on tp=2; PREFERENCE_JOBS; the chunked loss
+    on each of CHUNKED_MESHES."""
     jobs = {"compiled": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                          "--debug.on_recompile", "error"],
             "accumulation": [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
@@ -141,6 +157,7 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs["float8"] = [*EAGER, *float8_job(seed), "--parallelism.tensor_parallel_degree", "2"]
+    jobs |= {name: [*EAGER, *preference_job(seed, flags), *mesh] for name, (flags, mesh) in PREFERENCE_JOBS.items()}
     jobs["qwen3"] = [*EAGER, *QWEN3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
     jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8",
                         "--parallelism.tensor_parallel_degree", "2"]
@@ -418,11 +435,12 @@ def test_float8_dots_multiply_blocks_where_they_lie(four_processes_dtensor):
 @pytest.fixture(scope="module")
 def xla_one_device(seed, moe_seed, tmp_path_factory) -> dict:
     """The XLA runtime on one device (one process): each of OPTIMIZER_MESHES' optimizers, packed
-    chat data, the chunked loss, float8, and Mixtral."""
+    chat data, the chunked loss, float8, PREFERENCE_JOBS, and Mixtral."""
     folder = tmp_path_factory.mktemp("xla_one")
     runs = {name: [*SYNTHETIC, *optimizer_job(seed, name)] for name in OPTIMIZER_MESHES}
     runs |= {"chat": chat_job(seed), "chunked": [*SYNTHETIC, *chunked_job(seed)],
              "float8": [*SYNTHETIC, *float8_job(seed)],
+             **{name: preference_job(seed, flags) for name, (flags, _) in PREFERENCE_JOBS.items()},
              "moe": [*SYNTHETIC, *from_seed(moe_seed, steps=5), *MOE, "--training.local_batch_size", "8"]}
     return train_many({name: tiny_args(folder / name, *flags) for name, flags in runs.items()}, devices=1,
                       model_overrides=LAYERS)
@@ -463,6 +481,36 @@ def test_float8_linears_give_the_xla_runtimes_losses(two_processes, xla_one_devi
     float8, float32 = (r["grad_norms"]["1"] for r in (run, two_processes["accumulation"]))
     assert abs(float8 - xla["grad_norms"]["1"]) <= 2e-6 * float8
     assert abs(float32 - xla["grad_norms"]["1"]) > 2e-5 * float8
+
+
+def test_dpo_gives_the_xla_runtimes_losses_and_held_out_rewards(two_processes, xla_one_device):
+    """DPO on tp=2 (a frozen reference copy, sharded as the policy), two processes, 6 steps from one
+    seed checkpoint in 2 microbatches: the XLA runtime's losses on one device, and its held-out
+    loss and rewards after steps 3 and 6. Measured: 1.5e-6."""
+    run, xla = two_processes["dpo"], xla_one_device["dpo"]
+    assert run["losses"]["1"] == pytest.approx(0.6931472, rel=1e-6)  # -log sigmoid(0): policy = reference
+    close(run["losses"], xla["losses"], rtol=1e-5)
+    validation = {int(step): metrics for step, metrics in run["validation_metrics"].items()}
+    assert validation.keys() == xla["validation_metrics"].keys() == {3, 6}
+    # A reward is beta times a difference of sums of up to 192 log-probabilities of about -8 each:
+    # the runtimes' float32 roundings of those sums (1e-7 relative) reach it as about 1e-5 absolute
+    # (measured: 1.5e-6 in a margin of 3.6e-3).
+    for step, metrics in xla["validation_metrics"].items():
+        assert validation[step].keys() == metrics.keys(), step
+        for name, value in metrics.items():
+            assert validation[step][name] == pytest.approx(value, rel=1e-5, abs=1e-5), (step, name)
+
+
+def test_lora_ipo_uses_the_base_model_as_its_reference_as_the_xla_runtime_does(two_processes, xla_one_device):
+    """IPO with LoRA on fsdp=2: the reference is the policy with its adapters switched off. Were it
+    the policy itself, every loss would stay (1 / 2 beta)^2 = 25. The XLA runtime's losses within
+    1e-4: Adam's first update moves each of LoRA's B entries by lr times the sign of its gradient,
+    and where that gradient is at float32's noise the runtimes' signs differ (measured: 3.2e-5 at
+    step 2, 1.5e-6 by step 6)."""
+    run, xla = two_processes["ipo lora"], xla_one_device["ipo lora"]
+    assert run["losses"]["1"] == pytest.approx(25, rel=1e-6)
+    assert max(abs(loss - 25) for loss in run["losses"].values()) > 1e-2
+    close(run["losses"], xla["losses"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("mesh", CHUNKED_MESHES)

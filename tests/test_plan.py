@@ -211,8 +211,6 @@ def test_every_recipe_fits_its_slice(recipe, recipe_plans):
                  "SPMD program (vmapped over a pp-split dimension)")
         assert "bubble 6.7% of the step" in out
     if recipe.endswith("_dpo"):
-        other = ("not on the native runtime yet: [training] objective = 'dpo', the preference objectives "
-                 "are tested on the XLA runtime only")
         # The frozen reference model is counted: a float32 copy of the weights, sharded as they are.
         parameters, reference = out.splitlines()[3].split(), out.splitlines()[6].split()
         assert reference[:3] == ["reference", parameters[1], "GiB"] and parameters[0] == "parameters"

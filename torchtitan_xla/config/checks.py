@@ -219,8 +219,6 @@ _NOT_ON_NATIVE = (
      "(vmapped over a pp-split dimension)"),
     ("moe", "grouped_mm", lambda v: v, "its kernel is torch_xla's Pallas megablox (elsewhere a reference "
      "E times slower)"),
-    ("training", "objective", lambda v: v != "lm", "the preference objectives are tested on the XLA "
-     "runtime only"),
 )
 
 

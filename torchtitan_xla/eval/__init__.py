@@ -83,7 +83,7 @@ def generate_until(model, tokenizer, job_config: JobConfig, task: Task, *, devic
     prompts = [p[-room:] for p in encoded]
     generator = Generator(model, cache_size=seq_len, batch_size=e.batch_size, device=device,
                           eos_ids=sorted({tokenizer.eos_id, *eos_ids}), pad_id=pad_id(tokenizer),
-                          decode_text=tokenizer.decode)
+                          step_compiler=job_config.compile.step, decode_text=tokenizer.decode)
     # The text without special tokens, as lm-eval decodes it (skip_special_tokens=True).
     special = {tokenizer.bos_id, tokenizer.eos_id,
                *(getattr(tokenizer, "special_tokens", None) or {}).values()}

@@ -110,7 +110,7 @@ def main(job_config: JobConfig) -> list[dict]:
     eos = [tokenizer.eos_id, *end_of_turn_ids(tokenizer)]
     generator = Generator(loaded.model, cache_size=job_config.training.seq_len, batch_size=cfg.batch_size,
                           device=loaded.device, eos_ids=eos, pad_id=pad_id(tokenizer),
-                          decode_text=tokenizer.decode)
+                          step_compiler=job_config.compile.step, decode_text=tokenizer.decode)
     logger.info(f"Generating for {len(prompts)} prompt(s) from {path}: at most {cfg.max_new_tokens} "
                 f"tokens each, {'greedy' if not cfg.temperature else f'temperature {cfg.temperature}'}")
     completions = generator(prompts, cfg.max_new_tokens, sampling, cfg.stop)

@@ -68,17 +68,19 @@ class Generator:
     """`Generator(model, ...)(prompts, max_new_tokens, sampling)` -> one Completion per prompt."""
 
     def __init__(self, model: torch.nn.Module, *, cache_size: int, batch_size: int, device,
-                 eos_ids: Sequence[int], pad_id: int, bucket: int = 16,
+                 eos_ids: Sequence[int], pad_id: int, bucket: int = 16, step_compiler: str = "lazy",
                  check_every: int = 16, decode_text: Callable[[list[int]], str] | None = None):
         self.model, self.cache_size, self.batch_size = model, cache_size, batch_size
         self.device, self.bucket, self.check_every = device, bucket, check_every
         self.eos_ids, self.pad_id, self.decode_text = list(eos_ids), pad_id, decode_text
         self.n_layers = len(model.layers)
         self.stats = Stats()
-        # Traced as torch_xla.compile'd graphs (a host read inside is an error, not a second
-        # graph); on the native runtime with plain tensors joining DTensors as replicated values.
-        self._prefill_step = runtime.build_step("lazy", self._prefill, [], name="prefill")
-        self._decode_step = runtime.build_step("lazy", self._decode, [], name="decode")
+        # `step_compiler` is [compile] step's. Each call one graph: torch_xla.compile'd ("lazy"; a
+        # host read inside is an error, not a second graph; "replay" is lazy here, as there is no
+        # training state to rebind), or torch.compile'd whole on the native runtime ("compile").
+        kind = "lazy" if step_compiler == "replay" else step_compiler
+        self._prefill_step = runtime.build_step(kind, self._prefill, [], name="prefill", whole=True)
+        self._decode_step = runtime.build_step(kind, self._decode, [], name="decode", whole=True)
 
     def check(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
         check_fits(prompt_lengths, max_new_tokens, self.cache_size, self.bucket)

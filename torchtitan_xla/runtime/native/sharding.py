@@ -277,7 +277,8 @@ class FullTensorInit(TorchDispatchMode):
 
 # DTensor sharding rules that the shared code needs and torch's DTensor lacks or gets wrong, given
 # through its public `register_sharding` (once, by `build_mesh`), so that the model stays plain
-# PyTorch. `logsumexp` has no rule in torch 2.9 (the MoE router's z-loss; 2.11 has one). `select`
+# PyTorch. `logsumexp` has no rule in torch 2.9 (the MoE router's z-loss; 2.11 has one), nor has
+# `logsigmoid` (the preference objectives' loss; pointwise, its saved buffer placed as its input). `select`
 # (`x[..., 0]`) on a DTensor replicated on every axis rewrites the *input's* shape to the output's
 # in torch 2.9 (its rule returns the input spec, then fills in the output's shape:
 # pytorch/pytorch#179290; right in 2.11), so any later use of that tensor fails. Each rule: the
@@ -296,6 +297,11 @@ def _sharded_dims_kept(ndim: int, removed: set[int], keepdim: bool):
     return rules
 
 
+def _pointwise(ndim: int, outputs: int, inputs: int):
+    """Every output and input placed alike: replicated, or sharded on the same dimension."""
+    return [([p] * outputs, [p] * inputs) for p in (Replicate(), *(Shard(d) for d in range(ndim)))]
+
+
 def _register_op_rules() -> None:
     global _rules_registered
     if _rules_registered:
@@ -310,6 +316,9 @@ def _register_op_rules() -> None:
         # register_sharding keys its cache on the arguments from the first int one on; `dim` is
         # a list, so one dim's rule would serve another: key on every argument after x.
         propagator.op_to_schema_info[aten.logsumexp.default] = RuntimeSchemaInfo(1)
+    if aten.log_sigmoid_forward.default not in propagator.op_strategy_funcs:
+        register_sharding(aten.log_sigmoid_forward.default)(lambda x: _pointwise(x.ndim, 2, 1))
+        register_sharding(aten.log_sigmoid_backward.default)(lambda grad, x, buffer: _pointwise(x.ndim, 1, 3))
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 11):
         register_sharding(aten.select.int)(
             lambda x, dim, index: _sharded_dims_kept(x.ndim, {dim % x.ndim}, keepdim=False))

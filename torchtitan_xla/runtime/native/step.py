@@ -1,7 +1,9 @@
 """The native runtime's step: `fn` run eagerly on DTensors, with torch.compile applied per block
 beforehand (`[compile] step = "compile"`, parallelisms/parallelize_llama.apply_compile) or not
 ("eager"). Plain tensors the step makes (masks, the learning rate) join DTensor arithmetic as
-replicated values (`implicit_replication`), as XLA treats an unannotated tensor.
+replicated values (`implicit_replication`), as XLA treats an unannotated tensor. A step built
+`whole` (generation's prefill and decode) is one torch.compile'd graph under "compile": no optimizer
+or backward in it, and the dispatch of every op outside the blocks is what a decode step costs.
 
 `CompileGuard` counts torch.compile's graphs: any new one after warm-up (the first two steps) is
 a recompile, an error or a warning as `[debug] on_recompile` says."""
@@ -17,9 +19,13 @@ from torchtitan_xla.runtime.native.device import compile_stats
 
 
 def build_step(kind: str, fn: Callable[..., torch.Tensor], state: Sequence[torch.Tensor], *,
-               name: str = "train_step"):
+               name: str = "train_step", whole: bool = False):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
+
+    if whole and kind == "compile":
+        # Traced with implicit replication on (entered outside: dynamo does not trace the context).
+        fn = torch.compile(fn, dynamic=False)
 
     def step(*args: torch.Tensor) -> torch.Tensor:
         with implicit_replication():

@@ -34,8 +34,9 @@ from torchtitan_xla.runtime.xla.device import compile_stats
 
 
 def build_step(kind: str, fn: Callable[..., torch.Tensor], state: Sequence[torch.Tensor], *,
-               name: str = "train_step"):
-    """The step compiler `[compile] step` names, wrapping `fn`; `state` as for ReplayedStep."""
+               name: str = "train_step", whole: bool = False):
+    """The step compiler `[compile] step` names, wrapping `fn`; `state` as for ReplayedStep.
+    `whole` (one graph, not per block) is what every step here is already."""
     if kind == "lazy":
         return LazyStep(fn, name=name)
     return ReplayedStep(fn, state, name=name)
