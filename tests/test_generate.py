@@ -165,9 +165,10 @@ def cli_setup(tmp_path_factory):
     return root, tokenizer, prompts, records
 
 
-def _generate(cli_setup, dump, *extra, devices=1):
+def _generate(cli_setup, dump, *extra, devices=1, processes=1):
     root, tokenizer, prompts, _ = cli_setup
-    cmd = [sys.executable, "-m", "torchtitan_xla.generate", "--job.config_file",
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    cmd = [sys.executable, *(torchrun if processes > 1 else []), "-m", "torchtitan_xla.generate", "--job.config_file",
            str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
            "--job.no-print_config", "--training.seq_len", "64", "--model.tokenizer_path", str(tokenizer),
            "--generate.checkpoint", str(root / "qwen3"), "--generate.prompts", str(prompts),
@@ -178,15 +179,20 @@ def _generate(cli_setup, dump, *extra, devices=1):
 @pytest.fixture(scope="module")
 def cli_runs(cli_setup, tmp_path_factory):
     """The command's output lines and log on one device, on fsdp=4 x tp=2, and on the native
-    runtime (one process, eager); and 100 new tokens on the native runtime, compiled and eager."""
+    runtime (one process, and two on tp=2, eager); and 100 new tokens on the native runtime,
+    compiled and eager."""
     out = {}
-    native, long = ["--runtime.backend", "native"], ["--training.seq_len", "160", "--generate.max_new_tokens", "100"]
-    for name, devices, extra in (("one", 1, []), ("fsdp4_tp2", 8, ["--parallelism.tensor_parallel_degree", "2"]),
-                                 ("native", 1, [*native, "--compile.step", "eager"]),
-                                 ("native compiled, 100", 1, [*native, *long, "--compile.step", "compile"]),
-                                 ("native eager, 100", 1, [*native, *long, "--compile.step", "eager"])):
+    native = ["--runtime.backend", "native", "--runtime.device", "cpu"]
+    long = ["--training.seq_len", "160", "--generate.max_new_tokens", "100"]
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
+    for name, devices, processes, extra in (
+            ("one", 1, 1, []), ("fsdp4_tp2", 8, 1, tp2),
+            ("native", 1, 1, [*native, "--compile.step", "eager"]),
+            ("native_tp2", 1, 2, [*native, *tp2, "--compile.step", "eager"]),
+            ("native compiled, 100", 1, 1, [*native, *long, "--compile.step", "compile"]),
+            ("native eager, 100", 1, 1, [*native, *long, "--compile.step", "eager"])):
         dump = tmp_path_factory.mktemp(re.sub(r"\W+", "_", name))
-        p = _generate(cli_setup, dump, *extra, devices=devices)
+        p = _generate(cli_setup, dump, *extra, devices=devices, processes=processes)
         assert p.returncode == 0, p.stderr[-3000:]
         out[name] = ([json.loads(line) for line in (dump / "generations.jsonl").read_text().splitlines()],
                      p.stderr)
@@ -219,8 +225,9 @@ def test_the_command_equals_transformers_with_the_chat_template(cli_setup, cli_r
     assert "tokens/s" in log and "3 compiles in total" in log
 
 
-@pytest.mark.parametrize("run", ["fsdp4_tp2", "native"])
+@pytest.mark.parametrize("run", ["fsdp4_tp2", "native", "native_tp2"])
 def test_the_command_on_a_mesh_and_on_the_native_runtime_gives_one_devices_completions(cli_runs, run):
+    """On native tp=2 the cache's buffers are split over the heads as the keys and values are."""
     assert cli_runs[run][0] == cli_runs["one"][0]
 
 

@@ -21,6 +21,18 @@ from torch.distributed.tensor import DTensor
 UNWRITTEN = 1 << 30  # the position of a slot not yet written: after every query's
 
 
+def _zeros_laid_out_as(t: torch.Tensor, batch: int, size: int) -> torch.Tensor:
+    """Zeros [batch, size, *t.shape[2:]] laid out as `t`: a DTensor's buffer is split as its values
+    are (the heads over tp; `new_zeros` would make it whole, and each process's block of `t` would
+    not fit it)."""
+    if not isinstance(t, DTensor):
+        return t.new_zeros(batch, size, *t.shape[2:])
+    local = t.to_local()
+    shape = (batch, size, *t.shape[2:])
+    return DTensor.from_local(local.new_zeros(local.shape[0], size, *local.shape[2:]), t.device_mesh,
+                              t.placements, shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's own block, which shares its storage (DTensor has no rule for index_copy_; the
     slots' dimension is never sharded, so each block is written where it is)."""
@@ -39,8 +51,7 @@ class LayerCache:
         """Store `new` [batch, tokens, ...] at this call's slots; every slot's values, [batch, size, ...]."""
         cache = self._cache
         if self.buffers is None:
-            # new_zeros: a DTensor's buffer is a DTensor laid out as it (native runtime)
-            self.buffers = [t.new_zeros(cache.batch, cache.size, *t.shape[2:]) for t in new]
+            self.buffers = [_zeros_laid_out_as(t, cache.batch, cache.size) for t in new]
         for buffer, t in zip(self.buffers, new):
             _local(buffer).index_copy_(1, cache.slots, _local(t).to(buffer.dtype))
         return self.buffers

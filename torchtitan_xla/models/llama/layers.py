@@ -141,12 +141,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """softmax(q k^T / sqrt(head_dim) where `mask`) v: queries [batch, heads, q, head_dim], keys and
     values [batch, kv_heads, k, head_dim], `mask` [q, k] or [batch, 1, q, k] (True: seen)."""
     b, h, s, d = q.shape
-    q = q.view(b, k.shape[1], h // k.shape[1], s, d)
-    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5
+    # The kv heads lead: einsum folds the batch dimensions into one, and a DTensor's heads split
+    # over tp can only be folded as the outer one (the same values either way).
+    q = q.view(b, k.shape[1], h // k.shape[1], s, d).transpose(0, 1)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    scores = torch.einsum("gbrqd,gbkd->gbrqk", q, k) * d ** -0.5
     if mask.dim() == 4:
-        mask = mask[:, None]  # [batch, 1, 1, q, k]
+        mask = mask[:, None].transpose(0, 1)  # [1, batch, 1, q, k]
     probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
-    return torch.einsum("bgrqk,bgkd->bgrqd", probs, v).reshape(b, h, s, v.shape[-1])
+    return torch.einsum("gbrqk,gbkd->gbrqd", probs, v).transpose(0, 1).reshape(b, h, s, v.shape[-1])
 
 
 class FeedForward(nn.Module):
