@@ -137,19 +137,23 @@ class ScaledDotProductAttention(nn.Module):
         return masked_attention(q, k, v, mask)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                     heads_outer: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim) where `mask`) v: queries [batch, heads, q, head_dim], keys and
-    values [batch, kv_heads, k, head_dim], `mask` [q, k] or [batch, 1, q, k] (True: seen)."""
+    values [batch, kv_heads, k, head_dim], `mask` [q, k] or [batch, 1, q, k] (True: seen).
+    `heads_outer` (the KV cache's calls): einsum folds the kv heads outermost into its batch, the
+    only fold DTensor allows for heads split over tp (the same values; training keeps the batch
+    outermost, the layout the plan's memory model was fitted to on XLA)."""
     b, h, s, d = q.shape
-    # The kv heads lead: einsum folds the batch dimensions into one, and a DTensor's heads split
-    # over tp can only be folded as the outer one (the same values either way).
-    q = q.view(b, k.shape[1], h // k.shape[1], s, d).transpose(0, 1)
-    k, v = k.transpose(0, 1), v.transpose(0, 1)
-    scores = torch.einsum("gbrqd,gbkd->gbrqk", q, k) * d ** -0.5
+    q = q.view(b, k.shape[1], h // k.shape[1], s, d)
     if mask.dim() == 4:
-        mask = mask[:, None].transpose(0, 1)  # [1, batch, 1, q, k]
+        mask = mask[:, None]  # [batch, 1, 1, q, k]
+    if heads_outer:  # with the cache's [batch, 1, q, k] mask
+        q, k, v, mask = (t.transpose(0, 1) for t in (q, k, v, mask))
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5
     probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
-    return torch.einsum("gbrqk,gbkd->gbrqd", probs, v).transpose(0, 1).reshape(b, h, s, v.shape[-1])
+    out = torch.einsum("bgrqk,bgkd->bgrqd", probs, v)
+    return (out.transpose(0, 1) if heads_outer else out).reshape(b, h, s, v.shape[-1])
 
 
 class FeedForward(nn.Module):

@@ -70,7 +70,10 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([kv[..., :self.nope_dim], k_rope.expand(-1, -1, self.n_heads, -1)], -1)
         v = kv[..., self.nope_dim:]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.sdpa(q, k, v, *mask) if cache is None else masked_attention(q, k, v, cache.mask)
+        if cache is None:
+            out = self.sdpa(q, k, v, *mask)
+        else:
+            out = masked_attention(q, k, v, cache.mask, heads_outer=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -68,7 +68,10 @@ class Attention(nn.Module):
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads (the
         # attention module repeats them).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.sdpa(q, k, v, *mask) if cache is None else masked_attention(q, k, v, cache.mask)
+        if cache is None:
+            out = self.sdpa(q, k, v, *mask)
+        else:
+            out = masked_attention(q, k, v, cache.mask, heads_outer=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
