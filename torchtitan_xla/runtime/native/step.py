@@ -2,8 +2,8 @@
 beforehand (`[compile] step = "compile"`, parallelisms/parallelize_llama.apply_compile) or not
 ("eager"). Plain tensors the step makes (masks, the learning rate) join DTensor arithmetic as
 replicated values (`implicit_replication`), as XLA treats an unannotated tensor. A step built
-`whole` (generation's prefill and decode) is one torch.compile'd graph under "compile": no optimizer
-or backward in it, and the dispatch of every op outside the blocks is what a decode step costs.
+`whole` (generation's prefill and decode, forward only) is one torch.compile'd graph under
+"compile"; the training step keeps its per-block graphs.
 
 `CompileGuard` counts torch.compile's graphs: any new one after warm-up (the first two steps) is
 a recompile, an error or a warning as `[debug] on_recompile` says."""
