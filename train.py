@@ -36,6 +36,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     import torch
 
+    from torchtitan_xla.batch import Batch
     from torchtitan_xla.checkpoint import (
         CheckpointManager,
         Preemption,
@@ -55,11 +56,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.metrics import build_metric_logger, max_rank_loss, num_flops_per_token
     from torchtitan_xla.models import get_model_args, get_model_class, moe_overrides
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
-    from torchtitan_xla.models.llama.moe import (
-        inactive_expert_params,
-        set_router_loss_weights,
-        update_expert_bias,
-    )
+    from torchtitan_xla.models.llama.moe import inactive_expert_params
     from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
     from torchtitan_xla.objectives import build_objective
     from torchtitan_xla.optimizer import (
@@ -73,6 +70,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.parallelisms.context_parallel import balance_batches
     from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.reference import build_reference, reference_source
+    from torchtitan_xla.routing import Routers
     from torchtitan_xla.storage import check_writable, join, makedirs, write_text
     from torchtitan_xla.utils import GarbageCollection, set_determinism
     from torchtitan_xla.validate import build_validator, validates_pairs, validation_config
@@ -250,65 +248,47 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         tokens_per_step=global_batch * training.seq_len, num_devices=parallel_dims.world_size,
         dp_degree=parallel_dims.dp_degree, host_rank=host_rank, device=device,
         float8=job_config.float8.enable_float8_linear)
-    def microbatches(t: torch.Tensor) -> list[torch.Tensor]:
-        """Split the step's batch for gradient accumulation so that every microbatch still spans
-        all data-parallel ranks: [dp x accumulation x local, seq] -> accumulation x [dp x local, seq]."""
-        if accumulation_steps == 1:
-            return [t]
-        t = t.view(parallel_dims.dp_degree, accumulation_steps, -1, t.shape[-1])
-        return [t[:, k:k + 1].reshape(-1, t.shape[-1]) for k in range(accumulation_steps)]
-
     trainable = [p for p in model.parameters() if p.requires_grad]
-    # MoE: the router losses enter the backward pass inside each MoE block, weighted like the loss
-    # (averaged over the blocks and the microbatches); their values are logged.
-    moe_blocks = set_router_loss_weights(model, job_config.moe.aux_loss_weight,
-                                         job_config.moe.z_loss_weight, accumulation_steps)
-    # DeepSeek-V3's routers balance by a bias, moved after each step by that step's expert load.
-    biased_blocks = [m for m in moe_blocks if m.expert_bias is not None]
-    updated = [*trainable, *optimizer_state_tensors(optimizer), *(m.expert_bias for m in biased_blocks)]
+    # MoE: router losses weighted like the loss, their statistics logged, DeepSeek-V3's expert
+    # bias moved after each update (routing.py).
+    routers = Routers(model, job_config.moe, accumulation_steps, optimizer)
+    updated = [*trainable, *optimizer_state_tensors(optimizer), *routers.state]
 
-    def update(lrs: torch.Tensor, expert_counts: list[torch.Tensor]) -> None:
-        step_with_lr(optimizer, lrs)
-        if job_config.moe.bias_update_rate:
-            update_expert_bias(biased_blocks, expert_counts, job_config.moe.bias_update_rate)
-
-    def train_step(lrs: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, *rest: torch.Tensor):
-        """One optimizer step on the batch; `rest` is (positions, document_ids) when several
-        conversations share a sequence (chat data) or sequences come in pairs (preference data),
-        then the reference's log-probabilities of the rows (dpo, ipo)."""
-        packing = rest[:2]
+    def train_step(lrs: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """One optimizer step on the batch (its tensors by name: batch.py); returns everything the
+        log line needs from the device, as one tensor: one transfer per log step."""
         optimizer.zero_grad(set_to_none=True)
         # The objective's normaliser over the whole step (all microbatches and ranks): the loss is
         # the step's, not a mean of microbatch means (chat batches mask different numbers of labels).
-        totals = objective.totals(labels, bool(packing))
-        counted = labels != IGNORE_INDEX if packing else None
-        loss, rank_token_losses, router, expert_counts = 0.0, [], [], [0] * len(biased_blocks)
-        metrics = 0.0
-        for mb_inputs, mb_labels, *mb_rest in zip(*(microbatches(t) for t in (inputs, labels, *rest))):
-            # [dp ranks, ...]: every microbatch spans all ranks in the same order.
-            token_losses = loss_fn(model, mb_inputs, mb_labels, *mb_rest[:2])
-            router += [m.router_stats for m in moe_blocks]  # [aux, z, dropped] of this forward
-            expert_counts = [c + m.expert_counts for c, m in zip(expert_counts, biased_blocks)]
-            mb_loss, mb_metrics = objective(token_losses, mb_labels, totals, *mb_rest[2:])
+        totals = objective.totals(batch)
+        loss, metrics, rank_token_losses, rank_counted = 0.0, 0.0, [], []
+        routers.start()
+        # Every microbatch spans all data-parallel ranks in the same order: [dp ranks, ...].
+        for mb in batch.microbatches(parallel_dims.dp_degree, accumulation_steps):
+            token_losses = loss_fn(model, mb.inputs, mb.labels, *mb.packing)
+            routers.observe()
+            mb_loss, mb_metrics = objective(token_losses, mb, totals)
             mb_loss.backward()
             loss = loss + mb_loss.detach()
             if mb_metrics is not None:
                 metrics = metrics + mb_metrics.detach()
             rank_token_losses.append(token_losses.detach())
+            if batch.packed:
+                rank_counted.append((mb.labels != IGNORE_INDEX).view(parallel_dims.dp_degree, -1,
+                                                                      mb.labels.shape[-1]))
         grads = [p.grad for p in trainable if p.grad is not None]
         grad_norm = runtime.kernels.total_norm(grads)  # over sharded gradients
         if training.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(trainable, training.max_norm, grad_norm)
         loss_and_norm = torch.stack(runtime.whole([loss, grad_norm.detach()]))
-        nonfinite.update(loss_and_norm.isfinite().all(), updated, lambda: update(lrs, expert_counts))
-        # Everything the log line needs from the device, as one tensor: one transfer per log step.
-        rank_counted = (torch.cat([c.view(parallel_dims.dp_degree, -1, c.shape[-1])
-                                   for c in microbatches(counted)], 1) if packing else None)
-        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1), rank_counted)
+        nonfinite.update(loss_and_norm.isfinite().all(), updated, lambda: step_with_lr(optimizer, lrs))
+        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1),
+                                 torch.cat(rank_counted, 1) if rank_counted else None)
         stats = [loss_and_norm, torch.stack([*runtime.whole([max_loss]), *nonfinite.state])]
         if objective.metric_names:
             stats += runtime.whole([metrics])
-        return torch.cat([*stats, *runtime.whole([torch.stack(router).mean(0)])] if router else stats)
+        router_stats = routers.stats()
+        return torch.cat(stats if router_stats is None else [*stats, *runtime.whole([router_stats])])
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break. With `replay` the graph is traced at the first two steps and then replayed, so
@@ -332,13 +312,13 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 profiler.step(step)
             gc_handler.run(step)
             data_start = time.perf_counter()
-            batch = next(data_iterator)  # inputs, labels[, positions, document_ids]
+            batch = Batch.of(next(data_iterator))
             metric_logger.add_data_wait(time.perf_counter() - data_start)
             if reference is not None:  # its own graph; the step reads its result as data
-                batch = (*batch, reference(*batch))
+                batch = batch.replace(reference_logps=reference(batch))
             # Every group's lr as one device tensor: the step reads it as data.
             lrs = lr_scheduler.get_last_lr()
-            step_stats = compiled_step(torch.tensor(lrs, device=device), *batch)
+            step_stats = compiled_step(torch.tensor(lrs, device=device), batch)
             lr = lrs[0]
             lr_scheduler.step()
             compile_guard.check(step)

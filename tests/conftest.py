@@ -40,6 +40,20 @@ def pytest_report_header(config):
             + (f"; pins: {pins}" if pins else ""))
 
 
+# The files that take longest (their module fixtures: several processes, many compiles), started
+# first and in this order: the two workers (run_tests.sh) then end on short files together, not
+# one of them alone on a long one. (xdist hands a worker its next file while it still has two
+# tests of the last to run, so a long file started late runs alone.)
+LONGEST_FIRST = ["test_native_runtime.py", "test_plan.py", "test_moe_training.py", "test_checkpoint.py",
+                 "test_pipeline_parallel.py", "test_native_hosts.py", "test_context_parallel.py",
+                 "test_generate.py", "test_multihost.py", "test_train.py", "test_eval.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
+
+
 @pytest.fixture(scope="session")
 def xla_device():
     import torch_xla

@@ -9,4 +9,5 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$REPO/scripts/setup_env.sh"
 setup_python dev
 cd "$REPO"
-exec "$PY" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+# Files in conftest.py's order (the longest first), not xdist's (the most tests first).
+exec "$PY" -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

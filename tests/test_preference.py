@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from checkpoint_helpers import TWO_BLOCKS, from_hf
 from helpers import hf_rope, rmsnorm_in_input_dtype, run_train, tiny_args, train_many, train_run
 
+from torchtitan_xla.batch import Batch
 from torchtitan_xla.losses import IGNORE_INDEX
 
 BETA, SMOOTHING, GAMMA = 0.3, 0.1, 0.4
@@ -182,8 +183,9 @@ def test_losses_and_gradients_equal_trls_formulas_on_transformers(kind, tokenize
         ref_losses = token_losses(reference(inputs, positions, documents), labels)
     ref_logps = -ref_losses.sum(-1, keepdim=True)
     ours_losses = token_losses(policy(inputs, positions, documents), labels)
-    loss, metrics = objective(ours_losses, labels, objective.totals(labels, True),
-                              ref_logps if objective.needs_reference else None)
+    batch = Batch(inputs, labels, positions, documents,
+                  reference_logps=ref_logps if objective.needs_reference else None)
+    loss, metrics = objective(ours_losses, batch, objective.totals(batch))
     loss.backward()
 
     hf_policy, hf_reference = hfs

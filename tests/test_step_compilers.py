@@ -49,6 +49,19 @@ def _batches(n, rows=8):
     return [(torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)) for _ in range(n)]
 
 
+def _lazy_losses(xla_device, batches, lr) -> list[float]:
+    """The lazy step's losses on `batches`, from a fresh model, at one lr (a device scalar)."""
+    import torch_xla
+
+    model, opt = _build(xla_device)
+    lazy, losses = _step_fn(model, opt, []), []
+    for x, y in batches:
+        loss = lazy(x.to(xla_device), y.to(xla_device), lr)
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses
+
+
 LRS = [0.01, 0.02, 0.03, 0.01, 0.005, 0.02, 0.04]
 
 
@@ -93,19 +106,13 @@ def test_a_new_batch_shape_is_traced_again(xla_device):
     """A batch of another shape cannot run in the cached graph: it is traced (and compiled)
     anew, and trains like the lazy step."""
     import torch
-    import torch_xla
 
     from torchtitan_xla.optimizer import optimizer_state_tensors
     from torchtitan_xla.runtime.xla.step import ReplayedStep
 
     batches = _batches(3) + _batches(3, rows=5)
     lr = torch.tensor(0.01, device=xla_device)
-    model, opt = _build(xla_device)
-    lazy, expected = _step_fn(model, opt, []), []
-    for x, y in batches:
-        loss = lazy(x.to(xla_device), y.to(xla_device), lr)
-        torch_xla.sync()
-        expected.append(loss.item())
+    expected = _lazy_losses(xla_device, batches, lr)
 
     model, opt = _build(xla_device)
     traces = []
@@ -114,6 +121,60 @@ def test_a_new_batch_shape_is_traced_again(xla_device):
     losses = [step(x.to(xla_device), y.to(xla_device), lr).item() for x, y in batches]
     assert losses == expected
     assert len(traces) == 4  # steps 1 and 2, and the first two 5-row batches
+
+
+def test_a_batch_of_named_tensors_is_replayed_like_its_tensors(xla_device):
+    """train.py's step takes a Batch (a pytree): its tensors are the graph's inputs, replayed
+    bit-exactly; a batch carrying another set of tensors is another graph."""
+    import torch
+
+    from torchtitan_xla.batch import Batch
+    from torchtitan_xla.optimizer import optimizer_state_tensors
+    from torchtitan_xla.runtime.xla.step import ReplayedStep
+
+    batches, lr = _batches(4), torch.tensor(0.01, device=xla_device)
+    expected = _lazy_losses(xla_device, batches, lr)
+
+    model, opt = _build(xla_device)
+    traces = []
+    plain = _step_fn(model, opt, traces)
+
+    def step_fn(batch: Batch, lr):
+        y = batch.labels if batch.reference_logps is None else batch.labels + batch.reference_logps
+        return plain(batch.inputs, y, lr)
+
+    step = ReplayedStep(step_fn, [*model.parameters(), *optimizer_state_tensors(opt)])
+    losses = [step(Batch(x.to(xla_device), y.to(xla_device)), lr).item() for x, y in batches]
+    assert losses == expected and len(traces) == 2
+    x, y = batches[0]
+    step(Batch(x.to(xla_device), y.to(xla_device), reference_logps=torch.zeros(8, 1, device=xla_device)), lr)
+    assert len(traces) == 3  # another structure: traced anew
+
+
+def test_native_blocks_compile_one_graph_per_batch_shape():
+    """The native runtime's compiled blocks take one graph per shape, as XLA does: a microbatch,
+    the reference's and validation's whole batches are each a static graph. torch.compile's
+    automatic dynamic shapes would make the second shape symbolic, which the blockwise attention's
+    query blocks cannot trace under DTensor (found with DPO at seq_len 256 on one process)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from torchtitan_xla.models import get_model_args, get_model_class
+    from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
+    from torchtitan_xla.parallelisms.parallelize_llama import apply_compile
+
+    args = get_model_args("llama3", "debugmodel", vocab_size=256, max_seq_len=128, n_layers=1,
+                          dim=64, n_heads=4)
+    model = get_model_class("llama3")(args)
+    model.init_weights()
+    apply_attention_kernel(model, "blockwise", None, "CPU")
+    apply_compile(model, backend="aot_eager")  # dynamo's graphs alone, without inductor's kernels
+    before = counters["stats"]["unique_graphs"]
+    # As in a native process: importing torch_xla (this test process has) turns this off.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=True):
+        for rows in (2, 4, 6, 4):
+            model(torch.randint(0, 256, (rows, 128))).sum().backward()
+    assert counters["stats"]["unique_graphs"] - before == 3  # 2, 4 and 6 rows; 4 again reused
 
 
 def test_a_per_step_python_number_is_an_error_not_a_stale_value(xla_device):

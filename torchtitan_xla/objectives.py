@@ -1,12 +1,12 @@
 """What the training step minimises (`[training] objective`), from the per-token losses the loss
 function gives (losses.py) and the batch's labels.
 
-Each objective is called once per microbatch as `objective(token_losses, labels, totals, *extra)`
-and returns (that microbatch's share of the step's loss, its metric sums or None); `totals` is
-what the objective normalises by, computed once over the whole step's batch
-(`objective.totals(labels, packed)`), so that accumulating microbatches gives the loss of the
-whole batch. The step's metrics are the sums over microbatches (already divided by the step's
-count), logged under `metric_names`.
+Each objective is called once per microbatch as `objective(token_losses, microbatch, totals)`
+(a Batch, batch.py) and returns (that microbatch's share of the step's loss, its metric sums or
+None); `totals` is what the objective normalises by, computed once over the whole step's batch
+(`objective.totals(batch)`), so that accumulating microbatches gives the loss of the whole batch.
+The step's metrics are the sums over microbatches (already divided by the step's count), logged
+under `metric_names`.
 
 - `lm`: next-token cross-entropy, the mean over every counted label of the step (pre-training
   and SFT).
@@ -14,7 +14,7 @@ count), logged under `metric_names`.
   and 2i + 1 are the chosen and rejected completions of pair i). A row's log-probability is the
   SUM of its completion tokens' log-probabilities (TRL's); the formulas are `preference_losses`,
   the mean over the step's pairs. dpo and ipo also take the reference model's row
-  log-probabilities (reference.py), as data.
+  log-probabilities (reference.py), as the batch's `reference_logps`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torchtitan_xla.batch import Batch
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.losses import IGNORE_INDEX
 
@@ -86,10 +87,10 @@ class LanguageModeling:
     def __init__(self, accumulation_steps: int):
         self.accumulation_steps = accumulation_steps
 
-    def totals(self, labels: torch.Tensor, packed: bool) -> torch.Tensor | None:
-        return (labels != IGNORE_INDEX).sum().clamp(min=1) if packed else None
+    def totals(self, batch: Batch) -> torch.Tensor | None:
+        return (batch.labels != IGNORE_INDEX).sum().clamp(min=1) if batch.packed else None
 
-    def __call__(self, token_losses, labels, totals, *extra):
+    def __call__(self, token_losses: torch.Tensor, batch: Batch, totals: torch.Tensor | None):
         if totals is None:
             return token_losses.mean() / self.accumulation_steps, None
         return token_losses.sum() / totals, None
@@ -109,15 +110,16 @@ class Preference:
         self.settings = dict(beta=cfg.beta, label_smoothing=cfg.label_smoothing,
                              simpo_gamma=cfg.simpo_gamma)
 
-    def totals(self, labels: torch.Tensor, packed: bool) -> torch.Tensor | None:
+    def totals(self, batch: Batch) -> torch.Tensor | None:
         # ORPO's NLL term: the mean over every completion token of the step's chosen rows.
         if self.kind != "orpo":
             return None
+        labels = batch.labels
         return (labels.view(-1, 2, labels.shape[-1])[:, 0] != IGNORE_INDEX).sum().clamp(min=1)
 
-    def __call__(self, token_losses, labels, totals, reference_logps=None):
-        logps, counts = row_logps(token_losses, labels)
-        reference = None if reference_logps is None else reference_logps.reshape(-1, 2)
+    def __call__(self, token_losses: torch.Tensor, batch: Batch, totals: torch.Tensor | None):
+        logps, counts = row_logps(token_losses, batch.labels)
+        reference = None if batch.reference_logps is None else batch.reference_logps.reshape(-1, 2)
         losses, chosen, rejected = preference_losses(
             self.kind, logps.view(-1, 2), counts.view(-1, 2).clamp(min=1), reference, **self.settings)
         loss = losses.sum() / self.pairs

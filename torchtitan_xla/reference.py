@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from torchtitan_xla import runtime
+from torchtitan_xla.batch import Batch
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.objectives import copies_reference, row_logps
@@ -40,8 +41,8 @@ def reference_source(job_config: JobConfig) -> str | None:
 
 def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, tokenizer,
                     on: tuple) -> Callable[..., torch.Tensor]:
-    """`reference(inputs, labels, positions, document_ids)` -> each row's summed completion
-    log-probability [rows, 1] under the reference model, float32, as one compiled graph.
+    """`reference(batch)` -> each row's summed completion log-probability [rows, 1] under the
+    reference model, float32 (the batch's `reference_logps`), as one compiled graph.
     `loss_fn` is the plain loss function (no label smoothing or z-loss); `on` is (device, mesh,
     parallel_dims)."""
     import contextlib
@@ -64,10 +65,10 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
         switch = contextlib.nullcontext
 
     @torch.no_grad()
-    def score(inputs, labels, positions, document_ids):
+    def score(batch: Batch):
         with switch():
-            token_losses = loss_fn(model, inputs, labels, positions, document_ids)
-        return row_logps(token_losses, labels)[0].unsqueeze(-1)
+            token_losses = loss_fn(model, batch.inputs, batch.labels, *batch.packing)
+        return row_logps(token_losses, batch.labels)[0].unsqueeze(-1)
 
     return runtime.build_step("lazy", score, [*model.parameters(), *model.buffers()],
                               name="reference_step")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchtitan_xla import runtime
+from torchtitan_xla.batch import Batch
 from torchtitan_xla.config import JobConfig, renamed_keys
 from torchtitan_xla.config.job_config import PREFERENCE_DATASETS
 from torchtitan_xla.errors import ConfigError
@@ -57,10 +58,10 @@ def validates_pairs(job_config: JobConfig) -> bool:
 
 class Validator:
     """`validator.run()` -> ValidationResult over `steps` batches of a fresh loader (all of them
-    with steps = -1). `make_loader()` builds that loader; `eval_step(inputs, labels, ...)` is the
-    compiled graph returning [sum of token losses, counted tokens], or with a preference objective
-    [its loss, its metrics named `metric_names` (batch means), counted tokens], the batch first
-    extended by `reference(*batch)` where the objective has a reference."""
+    with steps = -1). `make_loader()` builds that loader; `eval_step(batch)` is the compiled
+    graph returning [sum of token losses, counted tokens], or with a preference objective [its
+    loss, its metrics named `metric_names` (batch means), counted tokens], the batch's
+    `reference_logps` first scored by `reference(batch)` where the objective has a reference."""
 
     def __init__(self, *, freq: int, steps: int, make_loader: Callable, eval_step: Callable,
                  metric_names: tuple[str, ...] = (), reference: Callable | None = None):
@@ -84,10 +85,11 @@ class Validator:
         loader, self._loader = self._loader or self.make_loader(), None
         sums = []
         try:
-            for batch in loader:
+            for loaded in loader:
+                batch = Batch.of(loaded)
                 if self.reference is not None:
-                    batch = (*batch, self.reference(*batch))
-                sums.append(self.eval_step(*batch))
+                    batch = batch.replace(reference_logps=self.reference(batch))
+                sums.append(self.eval_step(batch))
                 self.calls += 1
                 if len(sums) == self.steps:
                     break
@@ -128,17 +130,16 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
                           f"this run has {host_count}: give a number of batches")
 
     @torch.no_grad()
-    def eval_step(inputs: torch.Tensor, labels: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        # rest: positions and document ids (packed or paired rows), then the reference's log-probs
+    def eval_step(batch: Batch) -> torch.Tensor:
         model.eval()  # no dropout (LoRA's) in the traced graph
         try:
-            losses = loss_fn(model, inputs, labels, *rest[:2]).float()
+            losses = loss_fn(model, batch.inputs, batch.labels, *batch.packing).float()
         finally:
             model.train()
-        counted = (labels != IGNORE_INDEX).sum().to(losses.dtype)
+        counted = (batch.labels != IGNORE_INDEX).sum().to(losses.dtype)
         if objective is None:
             return torch.stack([losses.sum(), counted])
-        loss, metrics = objective(losses, labels, objective.totals(labels, True), *rest[2:])
+        loss, metrics = objective(losses, batch, objective.totals(batch))
         return torch.cat([loss.view(1), metrics, counted.view(1)])
 
     state = [*model.parameters(), *model.buffers()]  # read, never written

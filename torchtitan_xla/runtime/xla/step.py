@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from torchtitan_xla.runtime import common
 from torchtitan_xla.runtime.xla.device import compile_stats
@@ -48,7 +49,7 @@ class LazyStep:
     def __init__(self, fn: Callable[..., torch.Tensor], *, name: str = "train_step"):
         self.fn, self.name = fn, name
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args) -> torch.Tensor:
         import torch_xla
 
         with torch_xla.compile(full_graph=True, name=self.name):
@@ -59,9 +60,10 @@ class ReplayedStep:
     """`step = ReplayedStep(fn, state)`; `step(*args)` runs `fn(*args)` (which returns a tensor
     and updates `state` in place) as one XLA graph.
 
-    The first two calls trace `fn`; later calls with arguments of the same shapes, dtypes and
-    shardings replay the graph. Arguments of a new signature (a batch of another shape) are
-    traced again, at their first two calls, and compile a new graph as a lazy step would."""
+    The arguments are tensors or pytrees of them (a Batch). The first two calls trace `fn`; later
+    calls with arguments of the same structure, shapes, dtypes and shardings replay the graph.
+    Arguments of a new signature (a batch of another shape) are traced again, at their first two
+    calls, and compile a new graph as a lazy step would."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], state: Sequence[torch.Tensor], *,
                  name: str = "train_step"):
@@ -73,7 +75,7 @@ class ReplayedStep:
         self._inputs: list[tuple[str, object]] = []  # ("arg", i) | ("state", i) | ("frozen", tensor)
         self._updated: list[int] = []  # indices into state of the tensors the step writes
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args) -> torch.Tensor:
         import torch_xla
 
         if any(torch._is_functional_tensor(t) for t in self.state[:1]):
@@ -81,31 +83,34 @@ class ReplayedStep:
             # turned it off): its wrappers would keep the old values when the values underneath
             # are replaced, so every step is traced, as the lazy step does.
             return self._lazy(*args)
-        signature = _signature(args)
+        tensors, structure = pytree.tree_flatten(args)  # a Batch's tensors are its leaves
+        signature = [structure, *_signature(tensors)]
         if signature != self._signature:
             self._signature, self._traces = signature, 0
         if self._traces < 2:
-            inputs = self._trace(args, compare=self._traces == 1)
+            inputs = self._trace(args, tensors, compare=self._traces == 1)
             self._traces += 1
         else:
-            if any(torch_xla._XLAC._check_tensor_need_materialization(list(args))):
+            if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)):
                 torch_xla.sync()  # an argument still being computed: the graph needs its data
-            inputs = [self._input(kind, ref, args) for kind, ref in self._inputs]
+            inputs = [self._input(kind, ref, tensors) for kind, ref in self._inputs]
         results = torch_xla._XLAC._run_cached_graph(self._graph_hash, inputs)
         for index, value in zip(self._updated, results[1:]):
             torch_xla._XLAC._replace_xla_tensor(self.state[index], value)
         return results[0]
 
-    def _input(self, kind: str, ref, args: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _input(self, kind: str, ref, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if kind == "arg":
-            return args[ref]
+            return tensors[ref]
         if kind == "state":
             return self.state[ref]
         return ref
 
-    def _trace(self, args: Sequence[torch.Tensor], *, compare: bool) -> list[torch.Tensor]:
-        """Trace `fn` lazily, compile and cache its graph, and return the graph's inputs for this
-        step (the traced tensors are then reset: the caller runs the cached graph)."""
+    def _trace(self, args: Sequence, tensors: Sequence[torch.Tensor], *,
+               compare: bool) -> list[torch.Tensor]:
+        """Trace `fn(*args)` lazily, compile and cache its graph, and return the graph's inputs for
+        this step (the traced tensors are then reset: the caller runs the cached graph).
+        `tensors`: the arguments' tensors (pytree leaves), which later steps pass in their place."""
         import torch_xla
         import torch_xla.core.xla_model as xm
         from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
@@ -113,7 +118,7 @@ class ReplayedStep:
         torch_xla.sync()  # everything the step reads is data before tracing starts
         xm.wait_device_ops()
         handles = {}
-        for i, t in enumerate(args):
+        for i, t in enumerate(tensors):
             handles.setdefault(_handle(t), ("arg", i))
         for i, t in enumerate(self.state):
             handles.setdefault(_handle(t), ("state", i))
