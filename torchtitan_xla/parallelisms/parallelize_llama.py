@@ -364,10 +364,9 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
-    """torch.compile each block (`[compile] step = "compile"`, the native runtime's): the blocks
-    share one graph; the rest of the step runs eagerly around them, as in torchtitan. (On XLA the
-    whole step is one graph already.) One graph per shape, as on XLA: automatic dynamic shapes
-    (a reference's or validation's batch) cannot trace the blockwise attention under DTensor."""
+    """torch.compile each block (`[compile] step = "compile"`, the native runtime's; the step
+    runs eagerly around them, as in torchtitan): the blocks share one static graph per shape, as
+    on XLA (automatic dynamic shapes cannot trace the blockwise attention under DTensor)."""
     for block in model.layers.values():
         block.compile(fullgraph=True, dynamic=False, backend=backend)
     logger.info(f"Compiling {len(model.layers)} blocks (torch.compile)")
