@@ -50,8 +50,8 @@ class Routers:
         return torch.stack(self._stats).mean(0) if self._stats else None
 
     def _move_bias(self, optimizer, args, kwargs) -> None:
-        # An optimizer step outside a training step (checkpoint loading initialises state with
-        # one) has observed no forward: no counts, no move.
+        # Only a step's own counts move the bias, once: an optimizer step with no forward
+        # observed since the last move (none in train.py) leaves it as it is.
         if self._counts:
             update_expert_bias(self.biased, self._counts, self.rate)
             self._counts = []
