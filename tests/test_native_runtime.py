@@ -502,15 +502,17 @@ def test_dpo_gives_the_xla_runtimes_losses_and_held_out_rewards(two_processes, x
 
 
 def test_lora_ipo_uses_the_base_model_as_its_reference_as_the_xla_runtime_does(two_processes, xla_one_device):
-    """IPO with LoRA on fsdp=2: the reference is the policy with its adapters switched off. Were it
-    the policy itself, every loss would stay (1 / 2 beta)^2 = 25. The XLA runtime's losses within
-    1e-4: Adam's first update moves each of LoRA's B entries by lr times the sign of its gradient,
-    and where that gradient is at float32's noise the runtimes' signs differ (measured: 3.2e-5 at
-    step 2, 1.5e-6 by step 6)."""
-    run, xla = two_processes["ipo lora"], xla_one_device["ipo lora"]
-    assert run["losses"]["1"] == pytest.approx(25, rel=1e-6)
-    assert max(abs(loss - 25) for loss in run["losses"].values()) > 1e-2
-    close(run["losses"], xla["losses"], rtol=1e-4)
+    """IPO with LoRA on fsdp=2, as on the XLA runtime: the reference is the policy with its
+    adapters switched off. The first loss is (1 / 2 beta)^2 = 25 (B starts at zero, so the policy
+    is its base); then the policy moves and the base does not, so the loss leaves 25, where a
+    reference that kept its adapters would hold it there. The two runtimes' losses are not
+    compared: each draws LoRA's A from its own generator (XLA's and the CPU's), so their policies
+    differ from step 2 (test_lora_on_fsdp4_tp2_gives_the_xla_runtimes_losses compares LoRA from
+    the same adapters)."""
+    for run in (two_processes["ipo lora"]["losses"], xla_one_device["ipo lora"]["losses"]):
+        run = {int(step): loss for step, loss in run.items()}
+        assert run[1] == pytest.approx(25, rel=1e-6), run
+        assert max(abs(run[step] - 25) for step in range(2, 7)) > 1e-2, run
 
 
 @pytest.mark.parametrize("mesh", CHUNKED_MESHES)

@@ -4,13 +4,16 @@ from the shared run's HF export: the preference learnt, every mesh the same, res
 bad input stopped in one line before anything runs."""
 
 import json
+import math
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from checkpoint_helpers import TWO_BLOCKS, from_hf
-from helpers import hf_rope, rmsnorm_in_input_dtype, run_train, tiny_args, train_many, train_run
+from helpers import REPO, _env, hf_rope, rmsnorm_in_input_dtype, run_train, tiny_args, train_many, train_run
 
 from torchtitan_xla.batch import Batch
 from torchtitan_xla.losses import IGNORE_INDEX
@@ -54,6 +57,11 @@ def tokenizer():
       "chosen": "c", "rejected": "r"}, "a prompt ends with the user's turn"),
     ({"prompt": "p", "chosen": [{"role": "user", "content": "c"}], "rejected": "r"},
      "'chosen': expected a string or a list of one assistant message"),
+    ({**PAIRS[0], "ref_chosen_logps": -3.5}, "'ref_chosen_logps' without 'ref_rejected_logps'"),
+    ({**PAIRS[0], "ref_chosen_logps": "-3.5", "ref_rejected_logps": -2.0},
+     "'ref_chosen_logps': expected a finite number"),
+    ({**PAIRS[0], "ref_chosen_logps": -3.5, "ref_rejected_logps": float("nan")},
+     "'ref_rejected_logps': expected a finite number"),
 ])
 def test_malformed_pairs_are_one_line(record, message):
     from torchtitan_xla.datasets.preference import parse_pair
@@ -258,35 +266,100 @@ DPO = ["--training.dataset", "python_docs_preference", "--training.objective", "
 HELD_OUT = ["--validation.enable", "--validation.freq", "3"]
 
 
+def _with_reference_logps(straight, tokenizer, path):
+    """The embedded training pairs as JSON lines, each with TRL's ref_chosen_logps and
+    ref_rejected_logps: the shared run's export's summed log-probabilities, from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan_xla.datasets.sources import load_documents
+
+    pairs = [json.loads(r["pair"]) for r in load_documents("python_docs_preference", "", "train")]
+    records = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r, _ in pairs]
+    inputs, labels, _, _ = _rows(tokenizer, records, seq_len=192)
+    hf = AutoModelForCausalLM.from_pretrained(str(straight[0] / "checkpoint" / "step-6-hf"),
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        logps = torch.cat([_hf_logps(hf, inputs[i:i + 64], labels[i:i + 64])[0]
+                           for i in range(0, len(inputs), 64)]).tolist()
+    path.write_text("".join(json.dumps({**r, "ref_chosen_logps": c, "ref_rejected_logps": j}) + "\n"
+                            for r, c, j in zip(records, logps[0::2], logps[1::2])))
+    return path
+
+
 @pytest.fixture(scope="module")
-def dpo_runs(straight, tmp_path_factory):
+def dpo_runs(straight, tokenizer, tmp_path_factory):
     """6 DPO steps on the embedded preference pairs from the shared run's HF export (the reference),
-    the same global batch of 8 rows (4 pairs) on one device in 2 microbatches and on fsdp=4 x tp=2:
-    {mesh: (folder, train_many's result, log)}."""
+    the same global batch of 8 rows (4 pairs) on one device in 2 microbatches and on fsdp=4 x tp=2;
+    on one device, the same pairs as a file carrying the reference's log-probabilities, and LoRA:
+    {run: (folder, train_many's result)}."""
+    stored = _with_reference_logps(straight, tokenizer, tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
+    one_device = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
     runs = {}
-    for mesh, devices, extra in (
-            ("1 device", 1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
-                             "--checkpoint.last_save_in_hf", *HELD_OUT, "--validation.steps", "14"]),
-            ("fsdp4 x tp2", 8, ["--training.local_batch_size", "2",
-                                "--parallelism.tensor_parallel_degree", "2", *HELD_OUT,
-                                "--validation.steps", "7"]),
-            # LoRA: the reference is the policy with its adapters switched off.
-            ("lora", 1, ["--training.local_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
-                         "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"])):
-        folder = tmp_path_factory.mktemp(mesh.replace(" ", ""))
-        result = train_many({mesh: tiny_args(folder, *DPO, *from_hf(straight), *extra)},
-                            devices=devices, model_overrides=TWO_BLOCKS)
-        runs[mesh] = folder, result[mesh]
+    for devices, jobs in (
+            (1, {"1 device": [*one_device, "--checkpoint.last_save_in_hf", *HELD_OUT, "--validation.steps", "14"],
+                 "stored reference": [*one_device, "--training.dataset", "preference", "--training.dataset_path",
+                                      str(stored), "--preference.precomputed_reference"],
+                 # LoRA: the reference is the policy with its adapters switched off.
+                 "lora": ["--training.local_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
+                          "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"]}),
+            (8, {"fsdp4 x tp2": ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2",
+                                 *HELD_OUT, "--validation.steps", "7"]})):
+        folders = {name: tmp_path_factory.mktemp(name.replace(" ", "")) for name in jobs}
+        results = train_many({name: tiny_args(folders[name], *DPO, *from_hf(straight), *flags)
+                              for name, flags in jobs.items()}, devices=devices, model_overrides=TWO_BLOCKS)
+        runs |= {name: (folders[name], results[name]) for name in jobs}
     return runs
+
+
+def test_the_reference_command_writes_transformers_log_probabilities(straight, tokenizer, tmp_path):
+    """`python -m torchtitan_xla.reference` on pairs of each form (plain, with a system prompt,
+    conversational: 3 pairs, so its last batch of 2 pairs is filled up): each line is the record,
+    its prompt as chat messages, with the reference's summed log-probabilities of both answers,
+    those transformers gives the export (float32 sums in another order: within 2e-5). With no
+    output file named: one line, exit 2."""
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan_xla.datasets.preference import parse_pair
+
+    pairs, out = tmp_path / "pairs.jsonl", tmp_path / "out" / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
+    command = [sys.executable, "-m", "torchtitan_xla.reference", *tiny_args(tmp_path / "dump"), *DPO,
+               *from_hf(straight), "--training.dataset", "preference", "--training.dataset_path", str(pairs),
+               "--training.local_batch_size", "4"]
+    for flags, code in ((["--preference.reference_output", str(out)], 0), ([], 2)):
+        p = subprocess.run([*command, *flags], capture_output=True, text=True, cwd=REPO, env=_env(1, None),
+                           timeout=600)
+        assert p.returncode == code, p.stderr[-3000:]
+    assert p.stderr.strip() == ("error: [preference] reference_output: empty; give the JSON lines file "
+                                "to write"), p.stderr
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [parse_pair(w)[:3] for w in written] == [parse_pair(r)[:3] for r in PAIRS]
+    inputs, labels, _, _ = _rows(tokenizer, PAIRS, seq_len=192)
+    hf = AutoModelForCausalLM.from_pretrained(str(straight[0] / "checkpoint" / "step-6-hf"),
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = _hf_logps(hf, inputs, labels)[0].tolist()
+    got = [w[k] for w in written for k in ("ref_chosen_logps", "ref_rejected_logps")]
+    assert got == pytest.approx(expected, abs=2e-5)
+
+
+def test_stored_reference_logps_give_the_reference_models_losses(dpo_runs):
+    """TRL's ref_chosen_logps / ref_rejected_logps in the pairs (transformers' log-probabilities of
+    the reference export, float32) instead of the reference model: the same losses, within float32
+    sums of ~100 log-probabilities in another order (measured: 1.2e-6 at most over the 6 steps)."""
+    stored, run = dpo_runs["stored reference"][1]["losses"], dpo_runs["1 device"][1]["losses"]
+    assert stored.keys() == run.keys() == set(range(1, 7))
+    for step, loss in run.items():
+        assert stored[step] == pytest.approx(loss, rel=1e-5), step
 
 
 def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenizer):
     """The first step's loss is log 2 (policy = reference); fsdp x tp gives one device's losses; the
     exported policy prefers the chosen answers of the 24 pairs it trained on more than the reference
-    does (TRL's rewards/accuracies, scored by transformers: 0.79 measured, ties at the start). The
-    held-out pairs need a model that reads the prompt: debug_dpo.toml's figures, docs/posttrain.md.
-    Validation on 28 of those pairs gives the loss and the rewards transformers gives the exports,
-    on one device and on the mesh (whose validation batches are twice as large)."""
+    does (TRL's rewards/accuracies, scored by transformers: 0.92 measured, ties at the start).
+    Validation on 28 held-out pairs gives the loss and the rewards transformers gives the exports,
+    on one device and on the mesh (whose validation batches are twice as large), and a clear rise
+    in their accuracy (debug_dpo.toml's figures: docs/posttrain.md)."""
     from transformers import AutoModelForCausalLM
 
     from torchtitan_xla.datasets.preference import parse_pair
@@ -298,8 +371,8 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
         assert eight["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
 
     trained = [json.loads(r["pair"]) for r in load_documents("python_docs_preference", "", "train")][:24]
-    records = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in trained]
-    assert all(parse_pair(r)[1:] == (r["chosen"], r["rejected"]) for r in records)
+    records = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r, _ in trained]
+    assert all(parse_pair(r)[1:3] == (r["chosen"], r["rejected"]) for r in records)
     inputs, labels, _, _ = _rows(tokenizer, records, seq_len=192)
     margins = []
     for path in (folder / "checkpoint" / "step-6-hf", straight[0] / "checkpoint" / "step-6-hf"):
@@ -314,6 +387,13 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     held_out = [dict(zip(("prompt", "chosen", "rejected"), json.loads(r["pair"])))
                 for r in load_documents("python_docs_preference", "", "validation")][:28]
     assert set(one["validation_metrics"]) == set(eight["validation_metrics"]) == {3, 6}
+    # The rejected answers are unfinished (datasets/preference.py), which the held-out topics share:
+    # from all ties (policy = reference), their accuracy rises well past one half and their margin
+    # and loss move the right way (measured: 0.82 and 0.89 after steps 3 and 6, 23 and 25 of 28).
+    held_out_metrics, held_out_loss = one["validation_metrics"], one["validation"]
+    assert held_out_metrics[6]["rewards/accuracies"] >= 0.75, held_out_metrics
+    assert held_out_metrics[6]["rewards/margins"] > held_out_metrics[3]["rewards/margins"] > 0
+    assert held_out_loss[6] < held_out_loss[3] < math.log(2)
     for step, metrics in one["validation_metrics"].items():
         assert eight["validation"][step] == pytest.approx(one["validation"][step], rel=MESH_RTOL)
         # The rewards move with the loss: MESH_RTOL of the loss (about log 2) is 1.4e-6, and the
@@ -382,7 +462,8 @@ def test_bad_settings_are_one_line(flags, message, tmp_path):
 
 def test_bad_pairs_and_references_are_one_line_before_anything_is_written(straight, tmp_path):
     """A pair without `rejected` (its file and line), a prompt longer than seq_len, a reference of
-    another architecture: one line, exit 2, nothing written."""
+    another architecture, stored reference log-probabilities asked of pairs without them: one
+    line, exit 2, nothing written."""
     bad = tmp_path / "pairs.jsonl"
     bad.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "p", "chosen": "c"}) + "\n")
     long = tmp_path / "long.jsonl"
@@ -402,7 +483,10 @@ def test_bad_pairs_and_references_are_one_line_before_anything_is_written(straig
              "leaves no room for its answer in [training] seq_len 192"),
             (["--training.dataset", "python_docs_preference", "--preference.reference", str(other)],
              f"--preference.reference: {other} is not the policy's architecture: "
-             f"layers.1.attention.wk.weight is missing there")):
+             f"layers.1.attention.wk.weight is missing there"),
+            (["--training.dataset", "python_docs_preference", "--preference.precomputed_reference"],
+             "no 'ref_chosen_logps' or 'ref_rejected_logps', which [preference] precomputed_reference "
+             "= true reads in every pair")):
         dump = tmp_path / "dump"
         r = run_train(["--job.config_file", str(tiny_args(dump)[1]), "--job.dump_folder", str(dump),
                        *DPO, *from_hf(straight), *flags, "--model.flavor", "hf"])

@@ -106,7 +106,8 @@ class Preference:
     def __init__(self, kind: str, job_config: JobConfig, pairs: int):
         cfg = job_config.preference
         self.kind, self.pairs = kind, pairs
-        self.needs_reference = kind in WITH_REFERENCE
+        # A reference model to run: not where the pairs carry its log-probabilities.
+        self.needs_reference = kind in WITH_REFERENCE and not cfg.precomputed_reference
         self.settings = dict(beta=cfg.beta, label_smoothing=cfg.label_smoothing,
                              simpo_gamma=cfg.simpo_gamma)
 
@@ -134,7 +135,7 @@ def copies_reference(job_config: JobConfig) -> bool:
     """Whether the objective keeps a frozen copy of the weights (reference.py): dpo and ipo, unless
     LoRA's base model (the adapters switched off) is the reference."""
     pref = job_config.preference
-    return (job_config.training.objective in WITH_REFERENCE
+    return (job_config.training.objective in WITH_REFERENCE and not pref.precomputed_reference
             and bool(pref.reference or not job_config.lora.rank))
 
 

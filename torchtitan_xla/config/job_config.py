@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torchtitan_xla.config.option import opt
+from torchtitan_xla.config.post_sections import Generate, Preference
 from torchtitan_xla.config.run_sections import (
     ActivationCheckpoint,
     Checkpoint,
@@ -164,18 +165,6 @@ class Loss:
         "logits never exist (must divide local_batch_size x seq_len).", ge=0)
 
 
-@dataclass
-class Preference:
-    beta: float = opt(
-        0.1, "beta: the strength of the preference (DPO's KL weight; ORPO's lambda).", gt=0)
-    label_smoothing: float = opt(
-        0.0, "dpo, simpo: the probability that a pair's labels are flipped (conservative DPO).",
-        ge=0, le=0.5)
-    simpo_gamma: float = opt(0.5, "simpo: the target reward margin gamma.", ge=0)
-    reference: str = opt(
-        "", "dpo, ipo: the frozen reference model, a checkpoint step or HuggingFace folder; empty: "
-        "[checkpoint] initial_load_path, or with LoRA the base model (the adapters switched off).")
-
 
 @dataclass
 class MoE:
@@ -266,29 +255,6 @@ class Eval:
                            "generate_until: stop strings (GSM8K's; EOS always stops).")
     max_gen_toks: int = opt(256, "generate_until: tokens generated at most per question.", gt=0)
 
-
-@dataclass
-class Generate:
-    checkpoint: str = opt(
-        "", "python -m torchtitan_xla.generate: the weights, a checkpoint step folder or a "
-        "HuggingFace folder; empty: the newest checkpoint in [checkpoint] folder.")
-    prompts: str = opt(
-        "", "JSON lines, each {\"prompt\": text} or {\"messages\": [...]} (the chat template "
-        "applied, ending with the assistant's header).")
-    prompt: str = opt("", "One prompt, instead of a prompts file.")
-    output: str = opt(
-        "", "JSON lines: each input line with its \"completion\" (and \"finish\": eos, stop or "
-        "length); empty: <dump_folder>/generations.jsonl.")
-    max_new_tokens: int = opt(
-        128, "Tokens generated at most per prompt; the padded prompt and these must fit "
-        "[training] seq_len, the KV cache's size.", gt=0)
-    temperature: float = opt(0.0, "0: greedy; else sample from softmax(logits / temperature).", ge=0)
-    top_k: int = opt(0, "Sample among the k most likely tokens (0: all).", ge=0)
-    top_p: float = opt(1.0, "Sample among the most likely tokens whose probability reaches top_p.",
-                       gt=0, le=1)
-    seed: int = opt(0, "Seed of the sampling (the same seed repeats the same completions).")
-    stop: list[str] = opt([], "Stop strings: a completion ends before the first it contains.")
-    batch_size: int = opt(8, "Prompts generated together (a multiple of the data-parallel degree).", gt=0)
 
 
 @dataclass

@@ -42,7 +42,8 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
         stream = dict(host_rank=host_rank, host_count=host_count, shuffle_buffer=t.shuffle_buffer,
                       seed=seed, infinite=infinite, name=t.dataset)
         if t.dataset in PREFERENCE_DATASETS:
-            dataset = PreferenceDataset(documents, tokenizer, t.seq_len, **stream)
+            dataset = PreferenceDataset(documents, tokenizer, t.seq_len, **stream,
+                                        reference=job_config.preference.precomputed_reference)
         elif t.dataset in CHAT_DATASETS:
             dataset = ChatDataset(documents, tokenizer, t.seq_len, packing=t.packing, **stream)
         else:

@@ -12,20 +12,27 @@ local or a URL; `"python_docs_preference"`: embedded, offline), TRL's two explic
 A plain prompt is one user turn (optionally with "system"); a conversational prompt is chat.py's
 conversation ending with the user's turn. Both answers are rendered after the prompt in the
 tokenizer's chat format (chat.py), so the chosen and the rejected sequence share the prompt's ids.
+A record may also carry the reference model's summed log-probabilities of its two answers,
+"ref_chosen_logps" and "ref_rejected_logps" (TRL's columns), which `[preference]
+precomputed_reference = true` reads instead of running a reference model.
 
 Rows (PreferenceDataset): each pair gives two rows, the chosen sequence then the rejected one,
 in chat.py's four columns (inputs, labels, positions, document_ids); labels are -100 except on the
 final answer's tokens (its content and end-of-turn token), so the summed log-probability of a row
 is that of its completion given the prompt. Pairs are never packed: a batch's rows 2i and 2i + 1
 are pair i. A completion that does not fit seq_len is cut at its end (a warning, once); a prompt
-that leaves no room for any completion token stops the run, naming the record.
+that leaves no room for any completion token stops the run, naming the record. With the stored
+reference log-probabilities, a fifth column [1] holds each row's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from torchtitan_xla.datasets import chat
 from torchtitan_xla.datasets.packing import ChatDataset
@@ -38,7 +45,10 @@ if TYPE_CHECKING:
 
     from torchtitan_xla.datasets.tokenizer import Tokenizer
 
-Pair = tuple[list[chat.Message], str, str]  # (prompt messages ending with the user's, chosen, rejected)
+# (prompt messages ending with the user's, chosen, rejected, the reference's log-probabilities of
+# chosen and rejected where the record carries them)
+Pair = tuple[list[chat.Message], str, str, tuple[float, float] | None]
+REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's columns
 
 
 def parse_pair(record: object) -> Pair:
@@ -61,7 +71,7 @@ def parse_pair(record: object) -> Pair:
         messages = chat.parse_conversation({"messages": prompt}, final="user")
     else:
         raise ConfigError(f"'prompt' is a {type(prompt).__name__}, expected a string or a list of messages")
-    return messages, _answer(record, "chosen"), _answer(record, "rejected")
+    return messages, _answer(record, "chosen"), _answer(record, "rejected"), _reference(record)
 
 
 def _answer(record: dict, key: str) -> str:
@@ -74,20 +84,46 @@ def _answer(record: dict, key: str) -> str:
     raise ConfigError(f"{key!r}: expected a string or a list of one assistant message")
 
 
+def _reference(record: dict) -> tuple[float, float] | None:
+    given = [k for k in REFERENCE_KEYS if k in record]
+    if not given:
+        return None
+    if len(given) == 1:
+        raise ConfigError(f"{given[0]!r} without {(set(REFERENCE_KEYS) - set(given)).pop()!r}")
+    for key in REFERENCE_KEYS:
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key!r}: expected a finite number (a summed log-probability), "
+                              f"found {value!r}")
+    return float(record[REFERENCE_KEYS[0]]), float(record[REFERENCE_KEYS[1]])
+
+
 def embedded_pairs(topics: list[list[list[chat.Message]]]) -> list[Pair]:
     """The embedded set's pairs: each conversation's last answer is chosen over the answer at the
-    same place in the next topic (about something else, so the preference is clear)."""
+    same place in the next topic, left unfinished: about something else and cut mid-sentence, so the
+    preference is clear, and a small model can learn one half of it (an answer ends a sentence)
+    on the topics held out too."""
     pairs = []
     for t, topic in enumerate(topics):
         other = topics[(t + 1) % len(topics)]
         for k, messages in enumerate(topic):
-            pairs.append((messages[:-1], messages[-1]["content"], other[k % len(other)][-1]["content"]))
+            pairs.append((messages[:-1], messages[-1]["content"],
+                          _unfinished(other[k % len(other)][-1]["content"]), None))
     return pairs
 
 
+def _unfinished(answer: str) -> str:
+    """The answer's first half of words, cut before a word that ends a sentence."""
+    words = answer.split(" ")
+    cut = max(len(words) // 2, 1)
+    while cut > 1 and words[cut - 1].rstrip().endswith((".", ":", "...")):
+        cut -= 1
+    return " ".join(words[:cut]).rstrip()
+
+
 def encode_pairs(pairs) -> Iterator[dict[str, str]]:
-    for prompt, chosen, rejected in pairs:
-        yield {"pair": json.dumps([prompt, chosen, rejected])}
+    for pair in pairs:
+        yield {"pair": json.dumps(list(pair))}
 
 
 def completion_row(prompt: list[chat.Message], answer: str,
@@ -107,14 +143,18 @@ def completion_row(prompt: list[chat.Message], answer: str,
 
 
 class PreferenceDataset(ChatDataset):
-    """This host's share of the pairs (the "pair" column: JSON [prompt, chosen, rejected]) as rows,
-    the chosen sequence then the rejected one (module docstring)."""
+    """This host's share of the pairs (the "pair" column: JSON [prompt, chosen, rejected,
+    reference]) as rows, the chosen sequence then the rejected one (module docstring). With
+    `reference`, each row also carries its stored reference log-probability (a float32 [1]
+    column, the batch's `reference_logps`), and a pair without one stops the run."""
 
     column = "pair"
 
-    def __init__(self, pairs: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, **stream):
+    def __init__(self, pairs: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
+                 reference: bool = False, **stream):
         super().__init__(pairs, tokenizer, seq_len, packing=False, **stream)
-        self._pending: list[tuple[list[int], list[int]]] = []  # the rejected row of a pair half out
+        self._reference = reference
+        self._pending: list[tuple] = []  # the rejected row of a pair half out
 
     def __iter__(self):
         while self._pending:  # resumed between a pair's rows
@@ -128,10 +168,24 @@ class PreferenceDataset(ChatDataset):
             self._row, self._pending = [rejected], []
             yield self._emit()
 
-    def _rows(self, text: str) -> tuple[tuple[list[int], list[int]], ...]:
-        prompt, chosen, rejected = json.loads(text)
-        return tuple(self._fit(*completion_row(prompt, answer, self._tokenizer))
-                     for answer in (chosen, rejected))
+    def _rows(self, text: str) -> tuple[tuple, tuple]:
+        """(inputs, labels[, reference log-probability]) of the chosen and the rejected row."""
+        prompt, chosen, rejected, reference = json.loads(text)
+        rows = [self._fit(*completion_row(prompt, answer, self._tokenizer)) for answer in (chosen, rejected)]
+        if not self._reference:
+            return rows[0], rows[1]
+        if reference is None:
+            raise ConfigError(f"dataset {self.name}: no {' or '.join(map(repr, REFERENCE_KEYS))}, which "
+                              f"[preference] precomputed_reference = true reads in every pair")
+        return (*rows[0], reference[0]), (*rows[1], reference[1])
+
+    def _emit(self, next_row=()) -> tuple[torch.Tensor, ...]:
+        (row,) = self._row
+        self._row = [row[:2]]
+        columns = super()._emit(next_row)
+        if len(row) == 2:
+            return columns
+        return (*columns, torch.tensor(row[2:], dtype=torch.float32))
 
     def _fit(self, inputs: list[int], labels: list[int], prompt_len: int) -> tuple[list[int], list[int]]:
         if prompt_len > self._seq_len:
@@ -156,9 +210,9 @@ class PreferenceDataset(ChatDataset):
                                   f"{str(e).partition(': ')[2]}") from None
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"pending": [[list(x), list(y)] for x, y in self._pending]}
+        return {"pending": [[list(r[0]), list(r[1]), *r[2:]] for r in self._pending]}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._pending = [(list(x), list(y)) for x, y in state["pending"]]
+        self._pending = [(list(r[0]), list(r[1]), *r[2:]) for r in state["pending"]]
         self._row = []
 

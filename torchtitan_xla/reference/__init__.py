@@ -6,6 +6,8 @@ The reference is `[preference] reference`, else `[checkpoint] initial_load_path`
 the policy starts from): a frozen copy, sharded on the training mesh as the policy is, its weights
 read once. With LoRA and no reference given it is the policy itself with its adapters switched off
 (the base model, peft's `disable_adapter()`): no second copy of the weights.
+`python -m torchtitan_xla.reference` (__main__.py) scores the training pairs once and stores the
+log-probabilities with them, for `[preference] precomputed_reference` (no reference at all).
 """
 
 from __future__ import annotations
@@ -59,10 +61,16 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
         # policy's attention kernel and expert matmuls, so that at the start both compute the
         # same log-probabilities (float8 is left out: the reference runs its matmuls unscaled).
         model = load_model(inference_config(job_config), folder, is_hf, KEY, tokenizer=tokenizer,
-                           on=on, prepare=lambda m: _policy_kernels(m, job_config, on[1])).model
+                           on=on, prepare=lambda m: policy_kernels(m, job_config, on[1])).model
         _check_same_shapes(model, policy, source)
         model.requires_grad_(False)
         switch = contextlib.nullcontext
+    return scoring_step(model, loss_fn, switch)
+
+
+def scoring_step(model: torch.nn.Module, loss_fn, switch) -> Callable[..., torch.Tensor]:
+    """`score(batch)`: each row's summed completion log-probability [rows, 1] under `model`
+    (inside the `switch()` context), float32, as one compiled graph."""
 
     @torch.no_grad()
     def score(batch: Batch):
@@ -74,7 +82,7 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
                               name="reference_step")
 
 
-def _policy_kernels(model: torch.nn.Module, job_config: JobConfig, mesh) -> None:
+def policy_kernels(model: torch.nn.Module, job_config: JobConfig, mesh) -> None:
     from torchtitan_xla.models.llama.attention_kernels import apply_attention_kernel
     from torchtitan_xla.models.llama.moe_kernels import apply_grouped_mm
 
