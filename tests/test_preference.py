@@ -43,6 +43,38 @@ def _rows(tokenizer, records, seq_len=96):
     return tuple(torch.stack(column) for column in zip(*rows))
 
 
+def test_stored_reference_rows_carry_their_log_probability_and_resume_between_a_pairs_rows(tokenizer):
+    """With `reference`, each row gets a fifth column, [its stored log-probability] in float32;
+    a state taken between a pair's rows gives the rejected row, its number included; resuming it
+    with the other setting, or a pair without the numbers, is one line."""
+    from torchtitan_xla.datasets.preference import PreferenceDataset, encode_pairs, parse_pair
+    from torchtitan_xla.datasets.sources import _from_generator
+    from torchtitan_xla.errors import ConfigError
+
+    records = [{**r, "ref_chosen_logps": -10.25 - k, "ref_rejected_logps": -3.5 - k} for k, r in enumerate(PAIRS)]
+
+    def dataset(records, reference=True):
+        stream = _from_generator(encode_pairs, column="pair", pairs=[parse_pair(r) for r in records])
+        return PreferenceDataset(stream, tokenizer, 96, infinite=False, name="test", reference=reference)
+
+    rows = list(dataset(records))
+    assert [row[4].tolist() for row in rows] == [[-10.25], [-3.5], [-11.25], [-4.5], [-12.25], [-5.5]]
+    assert all(row[4].dtype == torch.float32 and len(row) == 5 for row in rows)
+    plain = list(dataset(records, reference=False))
+    assert all(len(p) == 4 and all(torch.equal(a, b) for a, b in zip(p, row)) for p, row in zip(plain, rows))
+    first = dataset(records)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()  # between the first pair's rows
+    resumed = dataset(records)
+    resumed.load_state_dict(state)
+    assert [row[4].item() for row in resumed] == [-3.5, -11.25, -4.5, -12.25, -5.5]
+    with pytest.raises(ConfigError, match="stopped between a pair's rows with .* precomputed_reference = true"):
+        dataset(records, reference=False).load_state_dict(state)
+    with pytest.raises(ConfigError, match="no 'ref_chosen_logps' or 'ref_rejected_logps'"):
+        list(dataset(PAIRS))
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from torchtitan_xla.datasets import build_tokenizer
@@ -258,7 +290,8 @@ def test_the_lora_reference_is_the_base_model_exactly():
 MESH_RTOL = 2e-6  # only the order of reductions differs between meshes (tests/test_parallelisms.py)
 DPO = ["--training.dataset", "python_docs_preference", "--training.objective", "dpo",
        "--training.seq_len", "192", "--training.steps", "6", "--optimizer.lr", "3e-4",
-       "--preference.beta", "0.1", "--checkpoint.enable", "--checkpoint.interval", "3"]
+       "--preference.beta", "0.1", "--checkpoint.enable", "--checkpoint.interval", "3",
+       "--model.attention", "sdpa"]  # the attention context parallelism takes
 
 
 # Validation after steps 3 and 6 on the first 28 held-out pairs: 14 batches of one device's 4 rows,
@@ -303,7 +336,10 @@ def dpo_runs(straight, tokenizer, tmp_path_factory):
                  "lora": ["--training.local_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
                           "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"]}),
             (8, {"fsdp4 x tp2": ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2",
-                                 *HELD_OUT, "--validation.steps", "7"]})):
+                                 *HELD_OUT, "--validation.steps", "7"],
+                 # Each row's 192 tokens over 2 devices, load-balanced: a pair's sums cross them.
+                 "cp2 x fsdp4": ["--training.local_batch_size", "2",
+                                 "--parallelism.context_parallel_degree", "2"]})):
         folders = {name: tmp_path_factory.mktemp(name.replace(" ", "")) for name in jobs}
         results = train_many({name: tiny_args(folders[name], *DPO, *from_hf(straight), *flags)
                               for name, flags in jobs.items()}, devices=devices, model_overrides=TWO_BLOCKS)
@@ -346,7 +382,7 @@ def test_the_reference_command_writes_transformers_log_probabilities(straight, t
 def test_stored_reference_logps_give_the_reference_models_losses(dpo_runs):
     """TRL's ref_chosen_logps / ref_rejected_logps in the pairs (transformers' log-probabilities of
     the reference export, float32) instead of the reference model: the same losses, within float32
-    sums of ~100 log-probabilities in another order (measured: 1.2e-6 at most over the 6 steps)."""
+    sums of ~100 log-probabilities in another order (measured: 1.1e-6 at most over the 6 steps)."""
     stored, run = dpo_runs["stored reference"][1]["losses"], dpo_runs["1 device"][1]["losses"]
     assert stored.keys() == run.keys() == set(range(1, 7))
     for step, loss in run.items():
@@ -354,9 +390,10 @@ def test_stored_reference_logps_give_the_reference_models_losses(dpo_runs):
 
 
 def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenizer):
-    """The first step's loss is log 2 (policy = reference); fsdp x tp gives one device's losses; the
-    exported policy prefers the chosen answers of the 24 pairs it trained on more than the reference
-    does (TRL's rewards/accuracies, scored by transformers: 0.92 measured, ties at the start).
+    """The first step's loss is log 2 (policy = reference); fsdp x tp and cp x fsdp give one
+    device's losses; the exported policy prefers the chosen answers of the 24 pairs it trained on
+    more than the reference does (TRL's rewards/accuracies, scored by transformers: 0.92 measured,
+    ties at the start).
     Validation on 28 held-out pairs gives the loss and the rewards transformers gives the exports,
     on one device and on the mesh (whose validation batches are twice as large), and a clear rise
     in their accuracy (debug_dpo.toml's figures: docs/posttrain.md)."""
@@ -369,6 +406,7 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     assert one["losses"][1] == pytest.approx(0.6931472, abs=1e-6)  # -log sigmoid(0)
     for step, loss in one["losses"].items():
         assert eight["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
+        assert dpo_runs["cp2 x fsdp4"][1]["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
 
     trained = [json.loads(r["pair"]) for r in load_documents("python_docs_preference", "", "train")][:24]
     records = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r, _ in trained]
@@ -389,7 +427,7 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     assert set(one["validation_metrics"]) == set(eight["validation_metrics"]) == {3, 6}
     # The rejected answers are unfinished (datasets/preference.py), which the held-out topics share:
     # from all ties (policy = reference), their accuracy rises well past one half and their margin
-    # and loss move the right way (measured: 0.82 and 0.89 after steps 3 and 6, 23 and 25 of 28).
+    # and loss move the right way (measured: 0.86 and 0.93 after steps 3 and 6, 24 and 26 of 28).
     held_out_metrics, held_out_loss = one["validation_metrics"], one["validation"]
     assert held_out_metrics[6]["rewards/accuracies"] >= 0.75, held_out_metrics
     assert held_out_metrics[6]["rewards/margins"] > held_out_metrics[3]["rewards/margins"] > 0
@@ -451,6 +489,13 @@ def test_dpo_resumes_bit_exactly(dpo_runs, straight):
       "--training.local_batch_size", "3"], "needs an even number of rows"),
     (["--validation.enable", "--validation.dataset", "python_docs_preference"],
      "held-out preference pairs are scored by the preference objective the run trains with"),
+    (["--training.dataset", "python_docs_preference", "--training.objective", "simpo",
+      "--preference.precomputed_reference"], "only dpo and ipo compare with a reference model"),
+    (["--training.dataset", "python_docs_preference", "--training.objective", "dpo",
+      "--preference.precomputed_reference", "--preference.reference", "ref"],
+     "the pairs' stored log-probabilities replace the reference model; set one of them"),
+    (["--training.dataset", "python_docs_preference", "--training.objective", "dpo",
+      "--parallelism.pipeline_parallel_degree", "2"], "is not supported with pipeline parallelism yet"),
 ])
 def test_bad_settings_are_one_line(flags, message, tmp_path):
     from torchtitan_xla.config import parse_args

@@ -6,7 +6,7 @@ carries, not how the loop runs:
 - `positions`, `document_ids` [rows, seq]: when several documents share a row (chat packing) or
   rows come in pairs (preference data): the model's positions and attention mask follow them;
 - `reference_logps` [rows, 1]: dpo and ipo, each row's summed log-probability under the reference
-  model (reference.py), computed by its own graph and read by the step as data.
+  model (reference/), computed by its own graph or stored with the pairs, read by the step as data.
 
 A Batch is a pytree (torch.utils._pytree), so a compiled step takes one as its argument: its
 tensors are the graph's inputs, its field names part of the traced program.
@@ -30,7 +30,7 @@ class Batch:
 
     @classmethod
     def of(cls, loaded: tuple | list) -> Batch:
-        """A data loader's batch: (inputs, labels[, positions, document_ids])."""
+        """A data loader's batch: (inputs, labels[, positions, document_ids[, reference_logps]])."""
         return cls(*loaded)
 
     @property

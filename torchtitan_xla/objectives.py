@@ -14,7 +14,7 @@ under `metric_names`.
   and 2i + 1 are the chosen and rejected completions of pair i). A row's log-probability is the
   SUM of its completion tokens' log-probabilities (TRL's); the formulas are `preference_losses`,
   the mean over the step's pairs. dpo and ipo also take the reference model's row
-  log-probabilities (reference.py), as the batch's `reference_logps`.
+  log-probabilities (reference/, or stored with the pairs), as the batch's `reference_logps`.
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ class Preference:
 
 
 def copies_reference(job_config: JobConfig) -> bool:
-    """Whether the objective keeps a frozen copy of the weights (reference.py): dpo and ipo, unless
-    LoRA's base model (the adapters switched off) is the reference."""
+    """Whether the objective keeps a frozen copy of the weights (reference/): dpo and ipo, unless
+    LoRA's base model (the adapters switched off) is the reference or the pairs carry the
+    reference's log-probabilities ([preference] precomputed_reference)."""
     pref = job_config.preference
     return (job_config.training.objective in WITH_REFERENCE and not pref.precomputed_reference
             and bool(pref.reference or not job_config.lora.rank))

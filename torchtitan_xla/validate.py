@@ -1,7 +1,8 @@
 """Validation during training (`[validation]`): the plain cross-entropy on held-out data every
 `freq` steps, as one compiled evaluation graph (forward and loss, no gradients, no optimizer).
 With a preference objective on held-out pairs, that objective's loss and TRL's rewards/* metrics
-instead (eval_rewards/accuracies in TRL), the reference's log-probabilities scored by its own graph.
+instead (eval_rewards/accuracies in TRL), the reference's log-probabilities scored by its own graph
+(or stored with the pairs).
 
 Every validation reads the same batches from the start of the split, so the curve compares like
 with like. It reads the model's parameters and writes nothing: a run with validation has the
@@ -61,7 +62,8 @@ class Validator:
     with steps = -1). `make_loader()` builds that loader; `eval_step(batch)` is the compiled
     graph returning [sum of token losses, counted tokens], or with a preference objective [its
     loss, its metrics named `metric_names` (batch means), counted tokens], the batch's
-    `reference_logps` first scored by `reference(batch)` where the objective has a reference."""
+    `reference_logps` first scored by `reference(batch)` where a reference model runs (else the
+    pairs carry them, or the objective has no reference)."""
 
     def __init__(self, *, freq: int, steps: int, make_loader: Callable, eval_step: Callable,
                  metric_names: tuple[str, ...] = (), reference: Callable | None = None):
@@ -121,7 +123,7 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
     """The Validator for `model`; `loss_fn` is the plain cross-entropy (no smoothing, no z-loss:
     the validation loss is the model's, so its exp is the perplexity). `objective`: a preference
     objective (objectives.py) built for one validation batch's pairs, scoring held-out pairs;
-    `reference` its reference's scoring graph (reference.py) for dpo and ipo."""
+    `reference` its reference's scoring graph (reference/) for dpo and ipo, unless stored."""
     v = job_config.validation
     if v.steps == -1 and host_count > 1:
         # Hosts would reach the end of their shares at different batches, one of them alone in

@@ -100,9 +100,18 @@ def _check_objective(cfg: JobConfig, sources) -> None:
     if t.local_batch_size % 2:
         raise ConfigError(f"{sources.describe('training', 'local_batch_size')} = {t.local_batch_size}: "
                           f"{t.objective} needs an even number of rows (each pair is two rows)")
-    if p.pipeline_parallel_degree > 1 or p.context_parallel_degree > 1:
-        raise ConfigError(f"{objective} = {t.objective!r} is not supported with pipeline or context "
-                          f"parallelism yet; use data and tensor parallelism")
+    if p.pipeline_parallel_degree > 1:
+        raise ConfigError(f"{objective} = {t.objective!r} is not supported with pipeline parallelism "
+                          f"yet; use data, tensor or context parallelism")
+    pref = cfg.preference
+    stored = f"{sources.describe('preference', 'precomputed_reference')} = true"
+    if pref.precomputed_reference and t.objective not in ("dpo", "ipo"):
+        raise ConfigError(f"{stored} with {objective} = {t.objective!r}: only dpo and ipo compare with "
+                          f"a reference model")
+    if pref.precomputed_reference and pref.reference:
+        raise ConfigError(f"{stored} with {sources.describe('preference', 'reference')} = "
+                          f"{pref.reference!r}: the pairs' stored log-probabilities replace the "
+                          f"reference model; set one of them")
 
 
 def _model_args(cfg: JobConfig, sources):

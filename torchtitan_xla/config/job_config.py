@@ -165,7 +165,6 @@ class Loss:
         "logits never exist (must divide local_batch_size x seq_len).", ge=0)
 
 
-
 @dataclass
 class MoE:
     num_experts: int = opt(
@@ -254,7 +253,6 @@ class Eval:
     until: list[str] = opt(["Question:", "</s>", "<|im_end|>"],
                            "generate_until: stop strings (GSM8K's; EOS always stops).")
     max_gen_toks: int = opt(256, "generate_until: tokens generated at most per question.", gt=0)
-
 
 
 @dataclass
@@ -356,5 +354,3 @@ class JobConfig:
         # TOML has no null: an unset optional key is left out, which reads back as unset.
         clean = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in self.to_dict().items()}
         return tomli_w.dumps(clean)
-
-

@@ -27,7 +27,6 @@ class Preference:
         "each with the reference's log-probabilities (for precomputed_reference).")
 
 
-
 @dataclass
 class Generate:
     checkpoint: str = opt(
@@ -50,4 +49,3 @@ class Generate:
     seed: int = opt(0, "Seed of the sampling (the same seed repeats the same completions).")
     stop: list[str] = opt([], "Stop strings: a completion ends before the first it contains.")
     batch_size: int = opt(8, "Prompts generated together (a multiple of the data-parallel degree).", gt=0)
-

@@ -19,7 +19,9 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     global batch), read from this host's share of the dataset, resumable via state_dict().
     Batches are (inputs, labels), each [batch_size, seq_len] int64; for the chat and preference
     datasets (inputs, labels, positions, document_ids), labels -100 where not trained (chat.py,
-    preference.py: rows 2i and 2i + 1 are the chosen and rejected sequences of a pair).
+    preference.py: rows 2i and 2i + 1 are the chosen and rejected sequences of a pair; with
+    [preference] precomputed_reference, a fifth [batch_size, 1] float32 column of their stored
+    reference log-probabilities).
 
     With `device` (and `input_sharding`), batches arrive on the device mesh, prefetched in a
     background thread; without, they stay on the host (tests, benchmarks). `batch_transform`:

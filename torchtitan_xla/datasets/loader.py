@@ -43,7 +43,8 @@ def _unwrap_worker_error(error: BaseException) -> BaseException:
 
 class DataLoader:
     """Iterate for (inputs, labels) batches of [batch_size, seq_len] (chat datasets: (inputs,
-    labels, positions, document_ids)): on `device` with `input_sharding` when a device is given,
+    labels, positions, document_ids); preference pairs may add their stored reference
+    log-probabilities [batch_size, 1]): on `device` with `input_sharding` when a device is given,
     on the host otherwise.
 
     `state_dict()` is this host's state, with the host's identity (rank, host count, workers);

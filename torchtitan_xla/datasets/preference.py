@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +53,9 @@ REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's columns
 
 
 def parse_pair(record: object) -> Pair:
-    """A JSON record (decoded) -> (prompt messages, chosen, rejected); a ConfigError says what is
-    wrong (the reader adds the file and line)."""
+    """A JSON record (decoded) -> (prompt messages, chosen, rejected, the stored reference
+    log-probabilities or None); a ConfigError says what is wrong (the reader adds the file and
+    line)."""
     if not isinstance(record, dict):
         raise ConfigError(f"not a preference pair: expected an object, found {type(record).__name__}")
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
@@ -113,12 +115,17 @@ def embedded_pairs(topics: list[list[list[chat.Message]]]) -> list[Pair]:
 
 
 def _unfinished(answer: str) -> str:
-    """The answer's first half of words, cut before a word that ends a sentence."""
-    words = answer.split(" ")
+    """The answer cut after about half its words, never after one that ends a sentence or
+    announces what follows, and always short of its end (a one-word answer: by characters)."""
+    ends = (".", ":", "?", "!")
+    words = list(re.finditer(r"\S+", answer))
     cut = max(len(words) // 2, 1)
-    while cut > 1 and words[cut - 1].rstrip().endswith((".", ":", "...")):
+    while cut > 1 and words[cut - 1].group().endswith(ends):
         cut -= 1
-    return " ".join(words[:cut]).rstrip()
+    text = answer[:words[cut - 1].end()] if words else answer
+    if text == answer or text.endswith(ends):
+        text = answer[:len(answer) // 2].rstrip().rstrip("".join(ends))
+    return text
 
 
 def encode_pairs(pairs) -> Iterator[dict[str, str]]:
@@ -214,5 +221,9 @@ class PreferenceDataset(ChatDataset):
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._pending = [(list(r[0]), list(r[1]), *r[2:]) for r in state["pending"]]
+        if any((len(r) > 2) != self._reference for r in self._pending):
+            raise ConfigError(f"dataset {self.name}: the checkpoint stopped between a pair's rows with "
+                              f"[preference] precomputed_reference = {str(not self._reference).lower()}; "
+                              f"resume with the same setting")
         self._row = []
 

@@ -32,18 +32,19 @@ def load_balanced_order(seq_len: int, cp: int) -> torch.Tensor:
 
 def balance_batches(parallel_dims: ParallelDims, seq_len: int) -> Callable[[tuple], tuple] | None:
     """The host batch transform of a load-balanced context-parallel run: (inputs, labels[,
-    positions, document_ids]) -> (inputs, labels, positions, document_ids), every tensor reordered
-    along the sequence; a sequence without documents becomes one document. None when no reordering
-    is needed."""
+    positions, document_ids[, per-row columns]]) -> (inputs, labels, positions, document_ids[,
+    per-row columns]), every [rows, seq] tensor reordered along the sequence; a sequence without
+    documents becomes one document. None when no reordering is needed."""
     if parallel_dims.cp == 1 or not parallel_dims.cp_load_balance:
         return None
     order = load_balanced_order(seq_len, parallel_dims.cp)
 
     def reorder(batch: tuple) -> tuple:
         inputs, labels, *packing = batch
+        packing, per_row = packing[:2], packing[2:]  # per row: stored reference log-probabilities
         if not packing:
             packing = (torch.arange(seq_len).expand_as(inputs), torch.ones_like(inputs))
-        return tuple(t[:, order] for t in (inputs, labels, *packing))
+        return (*(t[:, order] for t in (inputs, labels, *packing)), *per_row)
 
     return reorder
 

@@ -119,7 +119,7 @@ class Memory:
     optimizer: int
     temporaries: int  # the compiled step's temporary buffer; holds the gradients
     largest_shard: tuple[str, tuple[int, ...], tuple]  # name, local shape, partition spec
-    reference: int = 0  # dpo / ipo: the frozen reference model's weights (reference.py)
+    reference: int = 0  # dpo / ipo: the frozen reference model's weights (reference/)
 
     @property
     def activations(self) -> int:
@@ -343,7 +343,8 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
     # calibrated against the compiler).
     frozen_gradients = (elements - trained) * BYTES_GRAD
     # dpo / ipo keep a frozen copy of the base weights, sharded as the policy's (LoRA without a
-    # given reference switches its adapters off instead). Its scoring graph runs between steps:
+    # given reference switches its adapters off instead; stored log-probabilities need none). Its
+    # scoring graph runs between steps:
     # its activations (no gradients) are far below the step's, so the peak is the step's.
     from torchtitan_xla.objectives import copies_reference
 

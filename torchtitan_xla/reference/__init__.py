@@ -27,7 +27,8 @@ KEY = "[preference] reference"
 
 def reference_source(job_config: JobConfig) -> str | None:
     """The folder the reference is read from, checked before the runtime starts; None where no
-    copy is kept (an objective without a reference, or LoRA's base: the adapters switched off)."""
+    copy is kept (an objective without a reference, LoRA's base: the adapters switched off, or
+    log-probabilities stored with the pairs)."""
     from torchtitan_xla.inference import weights_folder
 
     if not copies_reference(job_config):

@@ -76,7 +76,8 @@ def main(job_config: JobConfig) -> list[dict]:
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
     dataset = PreferenceDataset(_from_generator(encode_pairs, column="pair", pairs=padded), tokenizer,
                                 t.seq_len, infinite=False, name=t.dataset)
-    dataset.check_documents(0, f"[training] dataset: {t.dataset}")
+    dataset.check_documents(0, f"[training] dataset_path: {t.dataset_path}" if t.dataset_path
+                            else f"[training] dataset: {t.dataset}")
     loader = DataLoader(StatefulDataLoader(dataset, batch_size=rows), device=device,
                         input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=1))
     model = load_model(inference_config(job_config), folder, is_hf, KEY, tokenizer=tokenizer,
@@ -90,7 +91,7 @@ def main(job_config: JobConfig) -> list[dict]:
     logger.info(f"Scoring {len(pairs):,} pairs under the reference {source}, {rows} rows at a time")
     logps: list[float] = []
     for loaded in loader:
-        logps += score(Batch.of(loaded)).flatten().tolist()
+        logps += runtime.to_host([score(Batch.of(loaded))])[0].flatten().tolist()
     out = [{"prompt": prompt, "chosen": chosen, "rejected": rejected,
             REFERENCE_KEYS[0]: logps[2 * i], REFERENCE_KEYS[1]: logps[2 * i + 1]}
            for i, (prompt, chosen, rejected, _) in enumerate(pairs)]
