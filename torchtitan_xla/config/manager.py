@@ -18,8 +18,8 @@ from typing import Any, Literal
 from torchtitan_xla.config.checks import check_combinations
 from torchtitan_xla.config.job_config import JobConfig
 from torchtitan_xla.config.schema import fields_of, optional_inner, sections, type_name
-from torchtitan_xla.config.sources import COMMAND_LINE, Sources
-from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.config.sources import COMMAND_LINE, Sources, attributed
+from torchtitan_xla.errors import ConfigError, run_main
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -251,3 +251,12 @@ def parse_args(argv: list[str] | None = None, *, usage: str | None = None) -> Jo
     return cfg
 
 
+def run_command(main, usage: str) -> int:
+    """A `python -m torchtitan_xla.<command>` entry point: `main(job_config)` on the command line's
+    config, an error naming the file or flag that set its key; returns the exit code."""
+    def cli() -> None:
+        job_config = parse_args(usage=usage)
+        with attributed(job_config):
+            main(job_config)
+
+    return run_main(cli)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_xla.config import JobConfig, attributed, parse_args
-from torchtitan_xla.errors import ConfigError, run_main
+from torchtitan_xla.config import JobConfig, run_command
+from torchtitan_xla.errors import ConfigError
 
 USAGE = ("usage: python -m torchtitan_xla.eval --job.config_file FILE --eval.tasks KIND:PATH[,...] "
          "[--eval.checkpoint STEP_OR_HF_FOLDER] [--section.key VALUE ...]\n\n"
@@ -58,11 +58,5 @@ def main(job_config: JobConfig) -> dict:
     return out
 
 
-def cli() -> None:
-    job_config = parse_args(usage=USAGE)
-    with attributed(job_config):  # an error names the file or flag that set its key
-        main(job_config)
-
-
 if __name__ == "__main__":
-    sys.exit(run_main(cli))
+    sys.exit(run_command(main, USAGE))

@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from torchtitan_xla.config import JobConfig, attributed, parse_args
-from torchtitan_xla.errors import ConfigError, run_main
+from torchtitan_xla.config import JobConfig, run_command
+from torchtitan_xla.errors import ConfigError
 
 USAGE = ("usage: python -m torchtitan_xla.generate --job.config_file FILE "
          "(--generate.prompts FILE.jsonl | --generate.prompt TEXT) [--generate.checkpoint STEP_OR_HF_FOLDER] "
@@ -131,11 +131,5 @@ def main(job_config: JobConfig) -> list[dict]:
     return out
 
 
-def cli() -> None:
-    job_config = parse_args(usage=USAGE)
-    with attributed(job_config):  # an error names the file or flag that set its key
-        main(job_config)
-
-
 if __name__ == "__main__":
-    sys.exit(run_main(cli))
+    sys.exit(run_command(main, USAGE))

@@ -19,8 +19,8 @@ import json
 import os
 import sys
 
-from torchtitan_xla.config import JobConfig, attributed, parse_args
-from torchtitan_xla.errors import ConfigError, run_main
+from torchtitan_xla.config import JobConfig, run_command
+from torchtitan_xla.errors import ConfigError
 
 USAGE = ("usage: python -m torchtitan_xla.reference --job.config_file FILE --preference.reference_output "
          "FILE.jsonl [--section.key VALUE ...]\n\nThe training pairs with their reference "
@@ -102,11 +102,5 @@ def main(job_config: JobConfig) -> list[dict]:
     return out
 
 
-def cli() -> None:
-    job_config = parse_args(usage=USAGE)
-    with attributed(job_config):  # an error names the file or flag that set its key
-        main(job_config)
-
-
 if __name__ == "__main__":
-    sys.exit(run_main(cli))
+    sys.exit(run_command(main, USAGE))
