@@ -288,6 +288,10 @@ def test_the_lora_reference_is_the_base_model_exactly():
 # ---- training ------------------------------------------------------------------------------------
 
 MESH_RTOL = 2e-6  # only the order of reductions differs between meshes (tests/test_parallelisms.py)
+# Context parallelism sums each row's log-probabilities in two halves, one per device: a pair's
+# logit (beta x four sums of up to 190 log-probabilities, each a few float32 ulps of ~150 apart)
+# moves the loss by a few 1e-6. Measured at step 2: 1.1e-6 (AVX-512), 2.2e-6 (AVX2 pins).
+CP_RTOL = 5e-6
 DPO = ["--training.dataset", "python_docs_preference", "--training.objective", "dpo",
        "--training.seq_len", "192", "--training.steps", "6", "--optimizer.lr", "3e-4",
        "--preference.beta", "0.1", "--checkpoint.enable", "--checkpoint.interval", "3",
@@ -406,7 +410,7 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     assert one["losses"][1] == pytest.approx(0.6931472, abs=1e-6)  # -log sigmoid(0)
     for step, loss in one["losses"].items():
         assert eight["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
-        assert dpo_runs["cp2 x fsdp4"][1]["losses"][step] == pytest.approx(loss, rel=MESH_RTOL), step
+        assert dpo_runs["cp2 x fsdp4"][1]["losses"][step] == pytest.approx(loss, rel=CP_RTOL), step
 
     trained = [json.loads(r["pair"]) for r in load_documents("python_docs_preference", "", "train")][:24]
     records = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r, _ in trained]
