@@ -29,10 +29,14 @@ def reference_source(job_config: JobConfig) -> str | None:
     """The folder the reference is read from, checked before the runtime starts; None where no
     copy is kept (an objective without a reference, LoRA's base: the adapters switched off, or
     log-probabilities stored with the pairs)."""
+    return configured_reference(job_config) if copies_reference(job_config) else None
+
+
+def configured_reference(job_config: JobConfig) -> str:
+    """`[preference] reference`, else `[checkpoint] initial_load_path`, checked to be a readable
+    checkpoint step or HuggingFace folder (training's copy and the scoring command read it)."""
     from torchtitan_xla.inference import weights_folder
 
-    if not copies_reference(job_config):
-        return None
     given = job_config.preference.reference or job_config.checkpoint.initial_load_path
     if not given:
         raise ConfigError(f"{KEY}: empty, and no [checkpoint] initial_load_path to use instead: "

@@ -44,7 +44,8 @@ def main(job_config: JobConfig) -> list[dict]:
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.losses import build_loss_fn
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims
-    from torchtitan_xla.reference import KEY, policy_kernels, scoring_step
+    from torchtitan_xla.parallelisms.context_parallel import balance_batches
+    from torchtitan_xla.reference import KEY, configured_reference, policy_kernels, scoring_step
 
     t, cfg = job_config.training, job_config.preference
     if not cfg.reference_output:
@@ -52,9 +53,7 @@ def main(job_config: JobConfig) -> list[dict]:
     if t.dataset not in PREFERENCE_DATASETS:
         raise ConfigError(f"[training] dataset = {t.dataset!r}: not preference pairs (expected one of "
                           f"{', '.join(PREFERENCE_DATASETS)})")
-    source = cfg.reference or job_config.checkpoint.initial_load_path
-    if not source:
-        raise ConfigError(f"{KEY}: empty, and no [checkpoint] initial_load_path to use instead")
+    source = configured_reference(job_config)
     folder, is_hf = weights_folder(source, job_config, KEY)
     out_folder = os.path.dirname(cfg.reference_output) or "."
     storage.check_writable(out_folder, "[preference] reference_output")
@@ -78,8 +77,10 @@ def main(job_config: JobConfig) -> list[dict]:
                                 t.seq_len, infinite=False, name=t.dataset)
     dataset.check_documents(0, f"[training] dataset_path: {t.dataset_path}" if t.dataset_path
                             else f"[training] dataset: {t.dataset}")
+    # As training's loader: context parallelism's load-balanced order included.
     loader = DataLoader(StatefulDataLoader(dataset, batch_size=rows), device=device,
-                        input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=1))
+                        input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=1),
+                        batch_transform=balance_batches(parallel_dims, t.seq_len))
     model = load_model(inference_config(job_config), folder, is_hf, KEY, tokenizer=tokenizer,
                        on=(device, mesh, parallel_dims),
                        prepare=lambda m: policy_kernels(m, job_config, mesh)).model
