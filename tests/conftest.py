@@ -84,3 +84,21 @@ def _xla_backward_first(xla_device):
     x = torch.ones(2, device=xla_device, requires_grad=True)
     (x * 2).sum().backward()
     return xla_device
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vector_isas_checked_once():
+    """torch.compile's CPU code generator tries each vector ISA the CPU reports by building and
+    loading a test library (a Python process started per ISA) in every process that compiles:
+    10-15 s of each native compiled job here. Checked once per worker instead; the processes the
+    tests start trust the result (TORCHINDUCTOR_VEC_ISA_OK) only when every ISA passed."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64") or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        return
+    from torch._inductor import cpu_vec_isa
+
+    reported = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                if all(flag in cpu_vec_isa.x86_isa_checker() for flag in str(isa).split())]
+    if cpu_vec_isa.valid_vec_isa_list() == reported:
+        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"

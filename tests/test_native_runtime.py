@@ -191,14 +191,15 @@ def copy_step(src: Path, folder: Path, step: int) -> Path:
 
 
 def expected_placements(spec: list, sizes: dict[str, int]) -> list[str]:
-    """DTensor placements of a partition spec on the mesh (MESH_AXES order): Shard(d) for an axis
-    of more than one device on dimension d, Replicate otherwise."""
+    """DTensor placements of a partition spec on the mesh: one per axis of more than one device
+    (in MESH_AXES order; the runtime's DeviceMesh leaves out the others), Shard(d) for an axis on
+    dimension d, Replicate otherwise."""
     from torchtitan_xla.parallelisms import MESH_AXES
 
     out = []
-    for axis in MESH_AXES:
+    for axis in (a for a in MESH_AXES if sizes[a] > 1):
         dims = [d for d, a in enumerate(spec) if a == axis or (isinstance(a, list) and axis in a)]
-        out.append(f"Shard(dim={dims[0]})" if dims and sizes[axis] > 1 else "Replicate()")
+        out.append(f"Shard(dim={dims[0]})" if dims else "Replicate()")
     return out
 
 
@@ -533,10 +534,10 @@ def test_mixture_of_experts_on_ep4_fsdp2_gives_the_xla_runtimes_losses(eight_pro
     the XLA runtime's losses on one device."""
     run = eight_processes["moe"]
     close(run["losses"], xla_one_device["moe"]["losses"], rtol=1e-5)
-    # ep (axis 3 of pp, dp_replicate, fsdp, ep, cp, tp) splits the expert dimension, fsdp the next one.
+    # ep (the mesh's fsdp, ep: its axes of more than one device) splits the expert dimension,
+    # fsdp the next one.
     w1 = run["layout"]["layers.0.feed_forward.w1"]
-    assert w1["placements"] == ["Replicate()", "Replicate()", "Shard(dim=1)", "Shard(dim=0)", "Replicate()",
-                                "Replicate()"], w1
+    assert w1["placements"] == ["Shard(dim=1)", "Shard(dim=0)"], w1
     assert w1["local"] == [2, w1["shape"][1] // 2, w1["shape"][2]], w1
     assert any(float(d) > 0 for d in re.findall(r"dropped: ([\d.]+)%", run["log"])), run["log"][-2000:]
 

@@ -196,4 +196,4 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
 
 def _batch_blocks(mesh) -> int:
     """Blocks the mesh splits the batch into (its batch axes' sizes multiplied)."""
-    return math.prod(mesh.size(mesh.mesh_dim_names.index(axis)) for axis in BATCH_AXES)
+    return math.prod(mesh.size(i) for i, axis in enumerate(mesh.mesh_dim_names) if axis in BATCH_AXES)

@@ -28,23 +28,33 @@ from torchtitan_xla.errors import ConfigError
 
 
 def placements(mesh, spec: Sequence) -> list:
-    """One placement per mesh axis for `spec` (an axis of one device replicates: DTensor would
-    refuse views across a dimension "sharded" over it)."""
+    """One placement per mesh axis for `spec` (an axis of one device, absent from the mesh or
+    not, replicates: DTensor would refuse views across a dimension "sharded" over it)."""
     out: list = [Replicate()] * mesh.ndim
     for dim, axes in enumerate(spec):
         for axis in (axes,) if isinstance(axes, str) else (axes or ()):
-            index = mesh.mesh_dim_names.index(axis)
-            if mesh.size(index) > 1:
-                out[index] = Shard(dim)
+            if _size(mesh, axis) > 1:
+                out[mesh.mesh_dim_names.index(axis)] = Shard(dim)
     return out
+
+
+def _size(mesh, axis: str) -> int:
+    """Devices along `axis`: 1 for an axis the mesh leaves out (build_mesh)."""
+    names = mesh.mesh_dim_names
+    return mesh.size(names.index(axis)) if axis in names else 1
 
 
 def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: str,
                num_slices: int = 1, slice_axis: int = 0):
+    """The DeviceMesh of the axes longer than one device (one axis if none is): DTensor's
+    sharding propagation enumerates strategies over every mesh axis, per op while torch.compile
+    traces (no cache there), and six axes of one device made a matmul's rule cost a second."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     _register_op_rules()
     mesh = ", ".join(f"{a} {n}" for a, n in zip(axis_names, shape))
+    kept = [i for i, n in enumerate(shape) if n > 1] or [len(shape) - 1]
+    names, sizes = tuple(axis_names[i] for i in kept), tuple(shape[i] for i in kept)
     if device_type.lower() == "tpu":
         # TorchTPU's rank layout for the slice's topology (axes ordered by growing traffic, as
         # MESH_AXES are); several slices split axis `slice_axis` (dp_replicate) over the
@@ -59,11 +69,11 @@ def build_mesh(shape: Sequence[int], axis_names: Sequence[str], *, device_type: 
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"[parallelism] the mesh ({mesh}) does not fit this TPU slice "
                               f"({num_slices} slice(s)): torch-tpu says: {first}") from None
-        return DeviceMesh("tpu", ranks, mesh_dim_names=tuple(axis_names))
+        return DeviceMesh("tpu", torch.as_tensor(ranks).reshape(sizes), mesh_dim_names=names)
     if num_slices > 1:
         raise ConfigError(f"[parallelism] num_slices = {num_slices}: several slices are TPU "
                           f"slices; this run's devices are {device_type}")
-    return init_device_mesh(device_type.lower(), tuple(shape), mesh_dim_names=tuple(axis_names))
+    return init_device_mesh(device_type.lower(), sizes, mesh_dim_names=names)
 
 
 def mark_sharding(t: torch.Tensor, mesh, spec: Sequence, *, compute: Sequence | None = None) -> None:
@@ -160,8 +170,8 @@ def data_shard(mesh, axes: Sequence[str], hosts) -> tuple[int, int]:
     """(which block of the global batch this process loads, how many blocks): its coordinate
     over the batch `axes`; processes that differ only on other axes (tp) load the same block."""
     rank, count = 0, 1
-    for axis in axes:
-        size = mesh.size(mesh.mesh_dim_names.index(axis))
+    for axis in (a for a in axes if _size(mesh, a) > 1):
+        size = _size(mesh, axis)
         rank, count = rank * size + mesh.get_local_rank(axis), count * size
     return rank, count
 
