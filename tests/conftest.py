@@ -24,6 +24,11 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 # CPU kernels built for AVX-512 and served to a run pinned to AVX2 (ATEN_CPU_CAPABILITY) segfault.
 # Each test session compiles into its own (docs/performance.md, "On the other kind of CPU").
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
+# XLA's CPU kernels built with LLVM at -O1, not -O2: the tests' short runs spend more time compiling
+# than running, and -O1 compiles a step 30% faster (docs/performance.md). Every process of a session
+# inherits it, so runs compared with each other are compiled alike.
+if "--xla_backend_optimization_level=" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
 
 import pytest  # noqa: E402
 

@@ -147,7 +147,7 @@ def train_losses(args: list[str], *, devices: int = 1, model_overrides: dict | N
 
 
 _MULTI_DRIVER = """
-import json, sys
+import json, logging, sys, warnings
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 import torch, torch_xla
@@ -156,8 +156,29 @@ import train
 import torchtitan_xla.optimizer as optimizer_module
 import torchtitan_xla.parallelisms as parallelisms_module
 from torchtitan_xla.config import parse_args
+from torchtitan_xla.logging import init_logger, logger
 from torchtitan_xla.runtime import compile_stats
 
+class Lines(logging.Handler):
+    # Each run's log lines and warnings (every warning each time: not once per process).
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+lines = Lines()
+init_logger()  # (its stderr handler first: it adds none to a logger that has one)
+logger.addHandler(lines)
+warnings.simplefilter("always")
+_show = warnings.showwarning
+
+def showwarning(message, category, filename, lineno, file=None, line=None):
+    lines.lines.append(f"{{filename}}:{{lineno}}: {{category.__name__}}: {{message}}")
+    _show(message, category, filename, lineno, file, line)
+
+warnings.showwarning = showwarning
 captured = {{}}
 real_parallelize, real_build_optimizer = parallelisms_module.parallelize_llama, optimizer_module.build_optimizer
 
@@ -188,6 +209,7 @@ dump = Path(sys.argv[3]) if len(sys.argv) > 3 else None
 dumped = set()
 for name, args in json.loads(sys.argv[1]).items():
     before = compile_stats()[0]
+    lines.lines = []
     history = train.main(parse_args(args), model_overrides=model_overrides)
     compiles = compile_stats()[0] - before
     model, opt = captured["model"], captured["optimizer"]
@@ -206,7 +228,7 @@ for name, args in json.loads(sys.argv[1]).items():
                                      if s.validation_loss is not None}},
                          validation_metrics={{s.step: s.validation_metrics for s in history
                                              if s.validation_metrics is not None}},
-                         compiles=compiles, params=params,
+                         compiles=compiles, params=params, log=lines.lines,
                          expert_bias={{n: b.cpu().tolist() for n, b in model.named_buffers()
                                       if n.endswith("expert_bias")}})
     if dump:
@@ -226,9 +248,10 @@ HANG_LIMIT_S, HANG_LIMIT_PER_RUN_S = 600, 300
 def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dict | None = None,
                timeout: int | None = None, xla_dump: Path | None = None) -> dict:
     """Several train.main runs in one fresh process with `devices` devices (saves start-up time).
-    For each: logged losses, compiles during the run, and for every parameter its partition spec,
-    the sharding XLA reports for it and for its optimizer state of its shape (exp_avg, ...), and
-    the sharding a fresh tensor with that partition spec gets; DeepSeek's expert biases after the run. With `xla_dump`, XLA dumps every
+    For each: logged losses, its log lines and warnings ("log"), compiles during the run, and for
+    every parameter its partition spec, the sharding XLA reports for it and for its optimizer state
+    of its shape (exp_avg, ...), and the sharding a fresh tensor with that partition spec gets;
+    DeepSeek's expert biases after the run. With `xla_dump`, XLA dumps every
     compiled module there and each run lists its optimized HLO files ("hlo"). `timeout`: by default
     a limit that only a hung process reaches (HANG_LIMIT_S + HANG_LIMIT_PER_RUN_S per run)."""
     if timeout is None:

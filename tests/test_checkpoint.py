@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import CKPT, SLOW_SAVE, TWO_BLOCKS, all_tensors, args, run, train_py_two_blocks
-from helpers import REPO, losses_of, tiny_args, train_process
+from helpers import REPO, losses_of, tiny_args, train_many, train_process
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
 from torchtitan_xla.config import ConfigError
@@ -36,14 +36,14 @@ def _copy_up_to(src: Path, dst: Path, step: int) -> Path:
 DCP_WARNING = re.compile(r"torch/distributed/checkpoint/\S+\.py:\d+: \w*Warning: .*")
 
 
-def test_resume_in_a_new_process_is_bit_exact_on_one_device(straight, tmp_path):
+def test_resume_in_a_new_process_is_bit_exact_on_one_device(straight, resumed):
     folder, losses, saved_log = straight
     assert committed_steps(folder / "checkpoint") == [3, 6]
-    resumed_folder = _copy_up_to(folder, tmp_path / "r", 3)
-    resumed, log = run(resumed_folder, "--training.local_batch_size", "8")
+    run = resumed["from_step_3"]  # the first run of its process
+    log = "\n".join(run["log"])
     assert "Resumed from" in log and "step-3" in log
-    assert sorted(resumed) == [4, 5, 6]
-    assert resumed == {s: losses[s] for s in (4, 5, 6)}  # identical floats
+    assert sorted(run["losses"]) == [4, 5, 6]
+    assert run["losses"] == {s: losses[s] for s in (4, 5, 6)}  # identical floats
     # Saves (steps 3 and 6) and a load (then the step-6 save again) without DCP's warnings.
     assert DCP_WARNING.findall(saved_log) == [] and DCP_WARNING.findall(log) == []
 
@@ -142,42 +142,6 @@ def test_async_mode_without_memory_for_the_snapshot_is_one_clear_line(monkeypatc
         manager._rehearse_snapshot()
 
 
-# The parameters loaded into still in flight when the load starts, as train.py's initial sync leaves
-# them (it does not wait): torch_xla's planner then failed on a loaded CI machine ("Trying to access
-# XLA data ... while an async operation is in flight"). Launched behind a second of unrelated
-# matmuls, the update of every parameter (by 0) is certain to be pending when the load starts.
-PARAMETERS_IN_FLIGHT = """
-import torch, torch_xla
-import torchtitan_xla.checkpoint as ckpt
-_load = ckpt.CheckpointManager.load
-def load(self):
-    x = torch.randn(1024, 1024, device=torch_xla.device())
-    for _ in range(20):
-        x = torch.tanh(x @ x)
-    torch_xla.sync()
-    zero = torch.zeros((), device=torch_xla.device())
-    with torch.no_grad():
-        for p in self.model.parameters():
-            p.add_(zero)
-    torch_xla.sync()  # queued behind the matmuls, not waited for
-    return _load(self)
-ckpt.CheckpointManager.load = load
-"""
-
-
-def test_resume_onto_a_different_mesh_reshards(tmp_path):
-    """Saved on 4 devices (fsdp=4), resumed on 8 (fsdp=4 x tp=2) with its parameters in flight."""
-    losses, _ = run(tmp_path / "a", "--training.local_batch_size", "2", devices=4)
-    resumed_folder = _copy_up_to(tmp_path / "a", tmp_path / "b", 3)
-    resumed, log = run(resumed_folder, "--training.local_batch_size", "2",
-                       "--parallelism.tensor_parallel_degree", "2", devices=8,
-                       prelude=PARAMETERS_IN_FLIGHT)
-    assert "Resumed from" in log and "step-3" in log
-    # Same state, different reduction order from step 4 on: measured max relative difference 1.2e-7.
-    for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(losses[step], rel=2e-6)
-
-
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(straight, tmp_path):
     _, losses, _ = straight
     folder = tmp_path / "k"
@@ -260,19 +224,33 @@ def _garble_data(step_dir: Path) -> None:
     data.write_bytes(bytes(b ^ 0xFF for b in raw[:200]) + raw[200:])
 
 
-@pytest.mark.parametrize("damage, found_by", [(_truncate_data, "__0_0.distcp has"), (_garble_data, "UnpicklingError")],
-                         ids=["truncated", "garbled"])
-def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, tmp_path, damage, found_by):
-    folder, losses, _ = straight
-    copy = _copy_up_to(folder, tmp_path / "d", 6)
-    # Resume from step 3 must be what happens: make step 6 unusable, and ask for step 6's run.
-    damage(copy / "checkpoint" / "step-6")
-    resumed, log = run(copy, "--training.local_batch_size", "8")
-    damaged = [ln for ln in log.splitlines() if "is damaged" in ln]
+@pytest.fixture(scope="module")
+def resumed(straight, tmp_path_factory):
+    """Copies of the straight run resumed in one process, the resume from its step 3 first; then
+    its step 6 truncated or garbled (resume from step 6 asked for, step 3 what happens); then
+    `load_step` 3 with keep_latest_k 1. Each run's results and its "folder"."""
+    folder, _, _ = straight
+    root = tmp_path_factory.mktemp("resumed")
+    folders = {"from_step_3": _copy_up_to(folder, root / "r", 3)}
+    for name, damage in (("truncated", _truncate_data), ("garbled", _garble_data)):
+        folders[name] = _copy_up_to(folder, root / name, 6)
+        damage(folders[name] / "checkpoint" / "step-6")
+    folders["load_step"] = _copy_up_to(folder, root / "l", 6)
+    flags = {"load_step": ["--checkpoint.load_step", "3", "--checkpoint.keep_latest_k", "1"]}
+    results = train_many({name: args(path, "--training.local_batch_size", "8", *flags.get(name, []))
+                          for name, path in folders.items()}, devices=1, model_overrides=TWO_BLOCKS)
+    return {name: result | {"folder": folders[name]} for name, result in results.items()}
+
+
+@pytest.mark.parametrize("damage, found_by", [("truncated", "__0_0.distcp has"), ("garbled", "UnpicklingError")])
+def test_damaged_checkpoint_falls_back_to_the_previous_one(straight, resumed, damage, found_by):
+    _, losses, _ = straight
+    run = resumed[damage]
+    damaged = [ln for ln in run["log"] if "is damaged" in ln]
     assert len(damaged) == 1
-    assert f"checkpoint {copy / 'checkpoint' / 'step-6'} is damaged: {found_by}" in damaged[0]
+    assert f"checkpoint {run['folder'] / 'checkpoint' / 'step-6'} is damaged: {found_by}" in damaged[0]
     assert "falling back to step-3" in damaged[0]
-    assert resumed == {s: losses[s] for s in (4, 5, 6)}
+    assert run["losses"] == {s: losses[s] for s in (4, 5, 6)}
 
 
 def test_damaged_checkpoint_stops_the_run_when_asked_or_when_nothing_older(straight, tmp_path):
@@ -315,12 +293,10 @@ def test_a_missing_initial_load_path_stops_a_resuming_run_before_anything_is_wri
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
-def test_load_step_and_keep_latest_k(straight, tmp_path):
-    folder, losses, _ = straight
-    copy = _copy_up_to(folder, tmp_path / "l", 6)
-    resumed, log = run(copy, "--training.local_batch_size", "8", "--checkpoint.load_step", "3",
-                       "--checkpoint.keep_latest_k", "1")
-    assert resumed == {s: losses[s] for s in (4, 5, 6)}
+def test_load_step_and_keep_latest_k(straight, resumed):
+    _, losses, _ = straight
+    copy = resumed["load_step"]["folder"]
+    assert resumed["load_step"]["losses"] == {s: losses[s] for s in (4, 5, 6)}
     assert committed_steps(copy / "checkpoint") == [6]
     p = subprocess.run([sys.executable, str(REPO / "train.py"), *args(copy, "--checkpoint.load_step", "4")],
                        capture_output=True, text=True, env={**_cpu_env(), "CPU_NUM_DEVICES": "1"})

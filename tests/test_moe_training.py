@@ -35,14 +35,26 @@ QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 DEEPSEEK = ["--model.name", "deepseek_v3"]
 
 
+# 6 steps saved at 3 and 6.
+SAVED = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
+
+
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe1")
     runs = {"dropless": [], "grouped_mm": ["--moe.grouped_mm"],
             "grouped_mm_bf16": ["--moe.grouped_mm", *BF16], "chat": CHAT}
     runs = {k: [*MIXTRAL, *v] for k, v in runs.items()} | {"qwen3": QWEN3_MOE, "deepseek": DEEPSEEK}
-    return train_many({k: tiny_args(out, "--training.local_batch_size", "8", *v) for k, v in runs.items()},
-                      devices=1, model_overrides=TWO_BLOCKS)
+    runs = {k: tiny_args(out, "--training.local_batch_size", "8", *v) for k, v in runs.items()}
+    runs["saved"] = saved_args(out / "saved")  # (the dropless run's compiled step)
+    results = train_many(runs, devices=1, model_overrides=TWO_BLOCKS)
+    results["saved"]["folder"] = out / "saved"
+    return results
+
+
+def saved_args(folder: Path) -> list[str]:
+    """Mixtral on one device, 6 steps saved at 3 and 6."""
+    return tiny_args(folder, "--training.local_batch_size", "8", *MIXTRAL, *SAVED)
 
 
 # Each mesh on 8 devices with the global batch of 8 sequences: local batch x data-parallel ranks
@@ -68,8 +80,13 @@ def eight_devices(tmp_path_factory):
     runs = {k: [*MIXTRAL, *v] for k, v in MESHES.items()} | {
         f"{name}_{k}": [*model, *MESHES[k]] for name, model in (("qwen3", QWEN3_MOE), ("deepseek", DEEPSEEK))
         for k in ("fsdp4_tp2", "ep4_fsdp2")}
-    return train_many({k: tiny_args(out, *v) for k, v in runs.items()}, devices=8,
-                      model_overrides=TWO_BLOCKS, xla_dump=out / "xla")
+    runs = {k: tiny_args(out, *v) for k, v in runs.items()}
+    # Saved on ep=4 x fsdp=2, then resumed from its step 3 on ep=2 x fsdp=2 x tp=2 (each reuses
+    # the compiled step of its mesh above).
+    runs["ep4_fsdp2_saved"] = tiny_args(out / "reshard", *MIXTRAL, *SAVED, *MESHES["ep4_fsdp2"])
+    runs["ep2_fsdp2_tp2_resumed"] = tiny_args(out / "reshard", *MIXTRAL, *SAVED, "--checkpoint.load_step", "3",
+                                              *MESHES["ep2_fsdp2_tp2"])
+    return train_many(runs, devices=8, model_overrides=TWO_BLOCKS, xla_dump=out / "xla")
 
 
 def test_grouped_mm_region_recomputes_under_autocast(one_device, eight_devices):
@@ -279,20 +296,20 @@ def test_tokens_reach_their_experts_by_all_to_all_and_experts_stay_split(mesh, e
         assert sorted((8 // dims.ep, hidden, 256)) in gathered
 
 
-def test_moe_resumes_bit_exactly(tmp_path):
-    """Model, optimizer and router state (the step's inputs all come back): resuming at step 3
-    gives the uninterrupted run's losses exactly. The resumed run traces steps 4 and 5 where the
-    uninterrupted one replays them; measured (Xeon, natively and with AVX2 pins): the same
-    compiled step, and every one of its 116 inputs equal to the bit at steps 4-6. Where they
+def test_moe_resumes_bit_exactly(one_device, tmp_path):
+    """Model, optimizer and router state (the step's inputs all come back): resuming at step 3 in
+    a new process gives the uninterrupted run's losses exactly. The resumed run traces steps 4 and
+    5 where the uninterrupted one replays them; measured (Xeon, natively and with AVX2 pins): the
+    same compiled step, and every one of its 116 inputs equal to the bit at steps 4-6. Where they
     differ, a second uninterrupted run tells a resume that is not exact from a run that does not
     repeat itself on this host (the message says which)."""
     import shutil
 
-    args = tiny_args(tmp_path, *MIXTRAL, "--training.steps", "6", "--checkpoint.enable",
-                     "--checkpoint.interval", "3")
-    straight, _ = train_run(args, model_overrides=TWO_BLOCKS)
-    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
-    resumed, log = train_run(args, model_overrides=TWO_BLOCKS)
+    straight = one_device["saved"]["losses"]
+    folder = tmp_path / "resumed"
+    shutil.copytree(one_device["saved"]["folder"], folder)
+    shutil.rmtree(folder / "checkpoint" / "step-6")
+    resumed, log = train_run(saved_args(folder), model_overrides=TWO_BLOCKS)
     assert "Resumed from" in log
     expected = {s: straight[s] for s in (4, 5, 6)}
     if resumed != expected:
@@ -318,20 +335,13 @@ def test_capacity_mode_logs_its_drops_and_still_learns(tmp_path):
     assert losses[200] < 0.8 * losses[1], losses
 
 
-def test_moe_checkpoint_reshards_across_expert_parallel_meshes(tmp_path):
+def test_moe_checkpoint_reshards_across_expert_parallel_meshes(eight_devices):
     """Saved on ep=4 x fsdp=2 at step 3, resumed on ep=2 x fsdp=2 x tp=2: steps 4-6 give the
     uninterrupted run's losses (DCP reshards the experts from 2 to 4 per device)."""
-    import shutil
-
-    common = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
-    straight, _ = train_run(tiny_args(tmp_path, *MIXTRAL, *common, *MESHES["ep4_fsdp2"]), devices=8,
-                            model_overrides=TWO_BLOCKS)
-    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
-    resumed, log = train_run(tiny_args(tmp_path, *MIXTRAL, *common, *MESHES["ep2_fsdp2_tp2"]), devices=8,
-                             model_overrides=TWO_BLOCKS)
-    assert "Resumed from" in log
+    straight, resumed = eight_devices["ep4_fsdp2_saved"], eight_devices["ep2_fsdp2_tp2_resumed"]
+    assert resumed["losses"].keys() == {4, 5, 6}  # it resumed from step 3
     for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(straight[step], rel=MESH_RTOL), step
+        assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=MESH_RTOL), step
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -126,7 +126,7 @@ def one_process(seed, tmp_path_factory) -> dict:
         "ten blocks": [*EAGER, "--training.local_batch_size", "8"],
         "profiled": [*EAGER, "--training.local_batch_size", "8", "--training.steps", "6", *PROFILED],
         "qwen3": [*EAGER, *QWEN3, "--training.local_batch_size", "8"],
-        "deepseek": [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8"]},
+        "deepseek": [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8", "--training.steps", "5"]},
         model=LAYERS, overrides={"ten blocks": TEN_BLOCKS})
 
 
@@ -159,7 +159,7 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs["float8"] = [*EAGER, *float8_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {name: [*EAGER, *preference_job(seed, flags), *mesh] for name, (flags, mesh) in PREFERENCE_JOBS.items()}
     jobs["qwen3"] = [*EAGER, *QWEN3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
-    jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8",
+    jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8", "--training.steps", "5",
                         "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
     jobs["diverging"] = [*EAGER, *DIVERGING, "--parallelism.tensor_parallel_degree", "2"]

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from checkpoint_helpers import SLOW_SAVE, TWO_BLOCKS, args, run
+from checkpoint_helpers import PARAMETERS_IN_FLIGHT, SLOW_SAVE, TWO_BLOCKS, args, run
 from helpers import REPO, free_port, tiny_args, train_process
 from object_storage import (
     GCS_BUCKET,
@@ -99,6 +99,8 @@ def test_gcs_async_save_killed_midway_resumes_bit_exact_and_keeps_latest_k(strai
 
 
 def test_s3_resume_reshards_4_to_8_devices_past_a_step_without_its_record(s3, tmp_path):
+    """Saved on 4 devices (fsdp=4), resumed on 8 (fsdp=4 x tp=2) with its parameters in flight
+    (PARAMETERS_IN_FLIGHT), from the last step with a commit record."""
     url = f"s3://{S3_BUCKET}/reshard"
     losses, _ = run(tmp_path / "a", "--training.local_batch_size", "2", "--checkpoint.folder", url,
                     devices=4, env=s3)
@@ -108,7 +110,8 @@ def test_s3_resume_reshards_4_to_8_devices_past_a_step_without_its_record(s3, tm
         assert committed_steps(url) == [3]
     before = len(requests(s3))
     resumed, log = run(tmp_path / "b", "--training.local_batch_size", "2", "--checkpoint.folder", url,
-                       "--parallelism.tensor_parallel_degree", "2", devices=8, env=s3)
+                       "--parallelism.tensor_parallel_degree", "2", devices=8, env=s3,
+                       prelude=PARAMETERS_IN_FLIGHT)
     assert f"Resumed from {url}/step-3 (step 3)" in log
     _assert_read_once(reads(s3, before), "reshard/step-3")
     # Same state on fsdp=4 x tp=2: only the reduction order differs (as on a local folder).

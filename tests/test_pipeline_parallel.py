@@ -50,7 +50,6 @@ MESHES = {
     # (with full activation checkpointing)
     "pp4_fsdp2_circular_full_ac": (mesh(4, 1, 4, *CIRCULAR, "--activation_checkpoint.mode", "full"),
                                    (4, 1, 2, 1, 1, 1), 4, 4, 2),
-    "pp4_fsdp2_circular_m8": (mesh(4, 1, 8, *CIRCULAR), (4, 1, 2, 1, 1, 1), 4, 8, 2),
     "pp2_fsdp2_tp2_m4": (mesh(2, 2, 4), (2, 1, 2, 1, 1, 2), 2, 4, 1),
     "pp2_fsdp2_tp2_circular": (mesh(2, 2, 2, *CIRCULAR), (2, 1, 2, 1, 1, 2), 2, 2, 2),
     # (with gradient accumulation: 2 steps of 8 sequences)

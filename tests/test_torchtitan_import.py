@@ -17,8 +17,8 @@ import shutil
 
 import pytest
 import torch
-from checkpoint_helpers import run
-from helpers import run_train, tiny_args
+from checkpoint_helpers import TWO_BLOCKS, args
+from helpers import run_train, tiny_args, train_many
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, read_model_state
 from torchtitan_xla.config import ConfigError
@@ -90,18 +90,31 @@ def titan(weights, tmp_path_factory):
     }
 
 
-def test_torchtitan_folders_start_with_the_loss_of_the_same_weights_from_hf(straight, titan, tmp_path):
-    """Bit-equal first-step losses (the same weights, graph and data: no tolerance)."""
-    folder, scratch, _ = straight
-    one_step = ("--training.steps", "1", "--checkpoint.initial_load_path")
-    from_hf, _ = run(tmp_path / "hf", *one_step, str(folder / "checkpoint" / "step-6-hf"),
-                     "--checkpoint.initial_load_in_hf")
-    assert from_hf[1] < scratch[1]  # trained weights, not the initialisation
-    for name in ("model_only", "full", "full_2025"):
-        losses, log = run(tmp_path / name, *one_step, titan[name])
-        assert f"Initial weights loaded from {titan[name]} (torchtitan)" in log, name
-        assert losses == from_hf, name
-        assert "torch/distributed/checkpoint/" not in log, name  # none of DCP's warnings
+@pytest.fixture(scope="module")
+def loaded(straight, titan, tmp_path_factory):
+    """One step from each folder of the same weights (in one process): the run's HF export, its own
+    step-6 checkpoint and each torchtitan layout."""
+    folder = straight[0] / "checkpoint"
+    root = tmp_path_factory.mktemp("loaded")
+    sources = {"hf": [str(folder / "step-6-hf"), "--checkpoint.initial_load_in_hf"],
+               "ours": [str(folder / "step-6")]} | {name: [path] for name, path in titan.items()}
+    return train_many({name: args(root / name, "--training.steps", "1", "--checkpoint.initial_load_path", *flags)
+                       for name, flags in sources.items()}, devices=1, model_overrides=TWO_BLOCKS)
+
+
+def test_every_folder_starts_with_the_loss_of_the_same_weights_from_hf(straight, titan, loaded):
+    """Bit-equal first-step losses (the same weights, graph and data: no tolerance), from this
+    project's checkpoint and from each torchtitan layout as from the HF export (whose import
+    round trip: test_hf_export.py)."""
+    from_hf = loaded["hf"]["losses"]
+    assert from_hf[1] < straight[1][1]  # trained weights, not the initialisation
+    assert any("Initial weights loaded from" in line and "(HuggingFace)" in line for line in loaded["hf"]["log"])
+    assert loaded["ours"]["losses"] == from_hf
+    for name in titan:
+        log = loaded[name]["log"]
+        assert any(f"Initial weights loaded from {titan[name]} (torchtitan)" in line for line in log), (name, log)
+        assert loaded[name]["losses"] == from_hf, name
+        assert not [line for line in log if "torch/distributed/checkpoint/" in line], name  # no DCP warning
 
 
 def test_the_model_keys_of_each_layout(weights, titan, straight, tmp_path):

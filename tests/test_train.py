@@ -1,10 +1,10 @@
-"""The training loop end to end: the default job learns, 8 devices give the losses of 1, runs are
-reproducible, and a recompile after warm-up is caught."""
+"""The training loop end to end: the default job learns, runs are reproducible, and a recompile
+after warm-up is caught. (8 devices giving the losses of 1: tests/test_parallelisms.py.)"""
 
 import logging
 
 import pytest
-from helpers import REPO, capture_logs, run_train, tiny_args, train_losses
+from helpers import REPO, capture_logs, run_train, tiny_args, train_losses, train_many
 
 from torchtitan_xla.config import parse_args
 
@@ -13,10 +13,17 @@ TWO_BLOCKS = {"n_layers": 2}
 
 
 @pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
+def one_device(tmp_path_factory):
+    """The same run with the configured seed and with another, in one process."""
     out = tmp_path_factory.mktemp("one")
-    return train_losses(tiny_args(out, "--training.local_batch_size", "8"), devices=1,
-                        model_overrides=TWO_BLOCKS)
+    runs = {"seed 42": [], "seed 7": ["--debug.seed", "7"]}
+    return train_many({k: tiny_args(out / k, "--training.local_batch_size", "8", *v) for k, v in runs.items()},
+                      devices=1, model_overrides=TWO_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(one_device):
+    return one_device["seed 42"]["losses"]
 
 
 def test_default_job_learns_through_run_train_sh(tmp_path):
@@ -36,26 +43,14 @@ def test_default_job_learns_through_run_train_sh(tmp_path):
     assert saved.training.steps == 40 and saved.model.flavor == "debugmodel"
 
 
-def test_eight_devices_give_the_losses_of_one(tmp_path, one_device_losses):
-    """fsdp=8 over 8 virtual devices, same global batch (8 x 1 vs 1 x 8 sequences)."""
-    eight = train_losses(tiny_args(tmp_path, "--training.local_batch_size", "1"), devices=8,
-                         model_overrides=TWO_BLOCKS)
-    assert eight.keys() == one_device_losses.keys()
-    # Only the reduction order differs: measured max relative difference 1.2e-7 over 5 steps.
-    for step, loss in one_device_losses.items():
-        assert eight[step] == pytest.approx(loss, rel=2e-6), step
-
-
 def test_same_config_gives_identical_losses(tmp_path, one_device_losses):
     again = train_losses(tiny_args(tmp_path, "--training.local_batch_size", "8"), devices=1,
                          model_overrides=TWO_BLOCKS)
     assert again == one_device_losses  # bit for bit
 
 
-def test_a_different_seed_gives_different_losses(tmp_path, one_device_losses):
-    other = train_losses(tiny_args(tmp_path, "--training.local_batch_size", "8", "--debug.seed", "7"),
-                         model_overrides=TWO_BLOCKS)
-    assert other[1] != one_device_losses[1]
+def test_a_different_seed_gives_different_losses(one_device, one_device_losses):
+    assert one_device["seed 7"]["losses"][1] != one_device_losses[1]
 
 
 def _run_in_process(tmp_path, *extra):
