@@ -82,7 +82,7 @@ def _check_objective(cfg: JobConfig, sources) -> None:
     """Preference objectives train on pairs of rows of a preference dataset, and only there."""
     from torchtitan_xla.config.job_config import PREFERENCE_DATASETS
 
-    t, p = cfg.training, cfg.parallelism
+    t = cfg.training
     objective, dataset = sources.describe("training", "objective"), sources.describe("training", "dataset")
     pairs = t.dataset in PREFERENCE_DATASETS
     v = cfg.validation
@@ -100,9 +100,6 @@ def _check_objective(cfg: JobConfig, sources) -> None:
     if t.local_batch_size % 2:
         raise ConfigError(f"{sources.describe('training', 'local_batch_size')} = {t.local_batch_size}: "
                           f"{t.objective} needs an even number of rows (each pair is two rows)")
-    if p.pipeline_parallel_degree > 1:
-        raise ConfigError(f"{objective} = {t.objective!r} is not supported with pipeline parallelism "
-                          f"yet; use data, tensor or context parallelism")
     pref = cfg.preference
     stored = f"{sources.describe('preference', 'precomputed_reference')} = true"
     if pref.precomputed_reference and t.objective not in ("dpo", "ipo"):
