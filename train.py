@@ -196,8 +196,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
     # The objective (objectives.py) turns the loss function's per-token losses into the step's
     # loss; preference objectives read plain log-probabilities (no label smoothing or z-loss).
-    objective = build_objective(job_config, global_batch=global_batch,
-                                accumulation_steps=accumulation_steps)
+    objective = build_objective(job_config, accumulation_steps=accumulation_steps)
     loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype,
                             plain=training.objective != "lm")
     # dpo and ipo: each batch's log-probabilities under the frozen reference, in a graph of its own.
@@ -216,7 +215,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             job_config, model=model,
             loss_fn=build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree,
                                   autocast_dtype=autocast_dtype, plain=True),
-            objective=build_objective(job_config, global_batch=val_batch, accumulation_steps=1)
+            objective=build_objective(job_config, accumulation_steps=1)
             if pairs else None,
             reference=reference if pairs else None,
             make_loader=lambda: build_data_loader(

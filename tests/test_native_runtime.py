@@ -105,10 +105,13 @@ def preference_job(seed: Path, flags: list[str]) -> list[str]:
     return [*from_seed(seed, steps=6), *PREFERENCE, *flags]
 
 
-# name: (the job's flags, its native mesh). IPO with LoRA: the reference is the adapters switched off.
-PREFERENCE_JOBS = {"dpo": (["--training.objective", "dpo", *HELD_OUT],
+# name: (the job's flags, its native mesh). DPO on packed pairs (384-token rows, about two pairs
+# each); IPO with LoRA on a pair's two padded rows: the reference is the adapters switched off.
+PREFERENCE_JOBS = {"dpo": (["--training.objective", "dpo", *HELD_OUT, "--training.packing", "true",
+                            "--training.seq_len", "384", "--training.global_batch_size", "4",
+                            "--training.local_batch_size", "2"],
                            ["--parallelism.tensor_parallel_degree", "2"]),
-                   "ipo lora": (["--training.objective", "ipo", *LORA],
+                   "ipo lora": (["--training.objective", "ipo", *LORA, "--training.no-packing"],
                                 ["--parallelism.data_parallel_shard_degree", "2"])}
 
 
@@ -485,9 +488,9 @@ def test_float8_linears_give_the_xla_runtimes_losses(two_processes, xla_one_devi
 
 
 def test_dpo_gives_the_xla_runtimes_losses_and_held_out_rewards(two_processes, xla_one_device):
-    """DPO on tp=2 (a frozen reference copy, sharded as the policy), two processes, 6 steps from one
-    seed checkpoint in 2 microbatches: the XLA runtime's losses on one device, and its held-out
-    loss and rewards after steps 3 and 6. Measured: 1.5e-6."""
+    """DPO on packed pairs on tp=2 (a frozen reference copy, sharded as the policy), two processes,
+    6 steps from one seed checkpoint in 2 microbatches: the XLA runtime's losses on one device, and
+    its held-out loss and rewards after steps 3 and 6."""
     run, xla = two_processes["dpo"], xla_one_device["dpo"]
     assert run["losses"]["1"] == pytest.approx(0.6931472, rel=1e-6)  # -log sigmoid(0): policy = reference
     close(run["losses"], xla["losses"], rtol=1e-5)

@@ -32,14 +32,18 @@ PAIRS = [
 ]
 
 
-def _rows(tokenizer, records, seq_len=96):
-    """The pairs' training rows through the dataset class the loader uses: [2 x pairs, seq_len] x 4."""
+def _dataset(tokenizer, records, seq_len=96, **options):
     from torchtitan_xla.datasets.preference import PreferenceDataset, encode_pairs, parse_pair
     from torchtitan_xla.datasets.sources import _from_generator
 
-    pairs = [parse_pair(r) for r in records]
-    stream = _from_generator(encode_pairs, column="pair", pairs=pairs)
-    rows = list(PreferenceDataset(stream, tokenizer, seq_len, infinite=False, name="test"))
+    stream = _from_generator(encode_pairs, column="pair", pairs=[parse_pair(r) for r in records])
+    return PreferenceDataset(stream, tokenizer, seq_len, infinite=False, name="test", **options)
+
+
+def _rows(tokenizer, records, seq_len=96, packing=False):
+    """The pairs' training rows through the dataset class the loader uses, [rows, seq_len] x 4:
+    unpacked, 2 x pairs rows."""
+    rows = list(_dataset(tokenizer, records, seq_len, packing=packing))
     return tuple(torch.stack(column) for column in zip(*rows))
 
 
@@ -47,15 +51,12 @@ def test_stored_reference_rows_carry_their_log_probability_and_resume_between_a_
     """With `reference`, each row gets a fifth column, [its stored log-probability] in float32;
     a state taken between a pair's rows gives the rejected row, its number included; resuming it
     with the other setting, or a pair without the numbers, is one line."""
-    from torchtitan_xla.datasets.preference import PreferenceDataset, encode_pairs, parse_pair
-    from torchtitan_xla.datasets.sources import _from_generator
     from torchtitan_xla.errors import ConfigError
 
     records = [{**r, "ref_chosen_logps": -10.25 - k, "ref_rejected_logps": -3.5 - k} for k, r in enumerate(PAIRS)]
 
     def dataset(records, reference=True):
-        stream = _from_generator(encode_pairs, column="pair", pairs=[parse_pair(r) for r in records])
-        return PreferenceDataset(stream, tokenizer, 96, infinite=False, name="test", reference=reference)
+        return _dataset(tokenizer, records, reference=reference)
 
     rows = list(dataset(records))
     assert [row[4].tolist() for row in rows] == [[-10.25], [-3.5], [-11.25], [-4.5], [-12.25], [-5.5]]
@@ -69,7 +70,7 @@ def test_stored_reference_rows_carry_their_log_probability_and_resume_between_a_
     resumed = dataset(records)
     resumed.load_state_dict(state)
     assert [row[4].item() for row in resumed] == [-3.5, -11.25, -4.5, -12.25, -5.5]
-    with pytest.raises(ConfigError, match="stopped between a pair's rows with .* precomputed_reference = true"):
+    with pytest.raises(ConfigError, match="holds pairs read with .* precomputed_reference = true"):
         dataset(records, reference=False).load_state_dict(state)
     with pytest.raises(ConfigError, match="no 'ref_chosen_logps' or 'ref_rejected_logps'"):
         list(dataset(PAIRS))
@@ -153,6 +154,52 @@ def test_rows_hold_the_final_answer_only_and_come_in_pairs(tokenizer):
     assert inputs[4, :len(prompt)].tolist() == prompt and (labels[4, :len(prompt) - 1] == IGNORE_INDEX).all()
 
 
+def test_packed_rows_hold_whole_pairs_as_documents_and_resume_inside_a_row(tokenizer):
+    """Packed, pairs fill rows in order as documents 1, 2 (a pair's chosen and rejected), 3, 4, ...,
+    each document the unpacked row's tokens, labels and positions; a pair never spans rows. A pair
+    longer than the row has its answers cut to fit (the longer first, neither below half the row);
+    a prompt longer than its half is one line. The stored reference numbers sit in their
+    documents' slots; a state taken inside a row resumes to the same rows, and with the other
+    setting is one line."""
+    from torchtitan_xla.datasets.preference import document_slots
+    from torchtitan_xla.errors import ConfigError
+
+    # The three pairs are 59, 66 and 112 tokens (chosen + rejected).
+    unpacked, packed = _rows(tokenizer, PAIRS, 128), _rows(tokenizer, PAIRS, 128, packing=True)
+    assert packed[3].amax(-1).tolist() == [4, 2] and packed[0].shape == (2, 128)
+    for k, (row, document) in enumerate([(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2)]):
+        n = int((unpacked[3][k] == 1).sum())
+        assert [packed[c][row][packed[3][row] == document].tolist() for c in range(3)] == \
+            [unpacked[c][k][:n].tolist() for c in range(3)], k
+    # At 100 tokens the first two pairs need a row each; the third is cut to 50 + 50 tokens
+    # (chosen 59 -> 50, rejected 53 -> 50), each the start of its whole sequence.
+    cut = _rows(tokenizer, PAIRS, 100, packing=True)
+    assert [[int((cut[3][r] == d).sum()) for d in (1, 2)] for r in range(3)] == [[24, 35], [31, 35], [50, 50]]
+    for d, k in ((1, 4), (2, 5)):
+        assert cut[0][2][cut[3][2] == d].tolist() == unpacked[0][k][:50].tolist()
+        assert cut[1][2][cut[3][2] == d].tolist() == unpacked[1][k][:50].tolist()
+    with pytest.raises(ConfigError, match="a prompt of 49 tokens leaves no room for its answer in the 48 tokens "
+                                          "its pair leaves it in a packed row of .training. seq_len 96"):
+        _rows(tokenizer, PAIRS, 96, packing=True)
+
+    records = [{**r, "ref_chosen_logps": -10.25 - k, "ref_rejected_logps": -3.5 - k} for k, r in enumerate(PAIRS)]
+    first = _dataset(tokenizer, records, 100, packing=True, reference=True)
+    rows = list(first)
+    slots = document_slots(100, True)
+    assert [row[4].tolist() for row in rows] == [[-10.25, -3.5] + [0.0] * (slots - 2), [-11.25, -4.5] + [0.0] * (slots - 2),
+                                                 [-12.25, -5.5] + [0.0] * (slots - 2)]
+    first = _dataset(tokenizer, records, 100, packing=True, reference=True)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()  # the second pair read, its row not yet out
+    resumed = _dataset(tokenizer, records, 100, packing=True, reference=True)
+    resumed.load_state_dict(state)
+    again = list(resumed)
+    assert len(again) == 2 and all(all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(again, rows[1:]))
+    with pytest.raises(ConfigError, match="holds pairs read with .training. packing = true; resume with the same"):
+        _dataset(tokenizer, records, 100, reference=True).load_state_dict(state)
+
+
 def _trl_losses(kind, pc, pr, rc, rr, nc, nr, nll_chosen):
     """TRL's formulas as its trainers write them (DPO's sigmoid with the conservative smoothing,
     IPO on length-normalised log-ratios, CPO's simpo, ORPO), on summed log-probs."""
@@ -187,21 +234,23 @@ def _hf_logps(hf, inputs, labels):
 @pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "orpo"])
 def test_losses_and_gradients_equal_trls_formulas_on_transformers(kind, tokenizer, tmp_path, monkeypatch):
     """Our model and objective in float64 against TRL's formulas on LlamaForCausalLM's log-probs of
-    the exported weights (and of an exported reference): the loss, the rewards and every weight's
-    gradient agree to float64 precision."""
+    the exported weights (and of an exported reference), the pairs unpacked (a row each) and packed
+    (two rows of 128 tokens: four documents and two, the rest of each row's slots empty): the loss,
+    the rewards and every weight's gradient agree to float64 precision."""
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
     from torchtitan_xla.checkpoint.hf import export_hf
     from torchtitan_xla.config import parse_args
+    from torchtitan_xla.datasets.preference import document_slots
     from torchtitan_xla.losses import token_losses
     from torchtitan_xla.models import get_model_args
     from torchtitan_xla.models.llama import Transformer
     from torchtitan_xla.models.llama.state_dict_adapter import to_hf
-    from torchtitan_xla.objectives import Preference
+    from torchtitan_xla.objectives import Preference, document_logps
 
     inputs, labels, positions, documents = _rows(tokenizer, PAIRS)
-    args = get_model_args("llama3", "debugmodel", vocab_size=tokenizer.n_words, max_seq_len=96, n_layers=2)
+    args = get_model_args("llama3", "debugmodel", vocab_size=tokenizer.n_words, max_seq_len=128, n_layers=2)
     models, hfs = [], []
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
     for seed, name in ((0, "policy"), (1, "reference")):
@@ -215,18 +264,6 @@ def test_losses_and_gradients_equal_trls_formulas_on_transformers(kind, tokenize
         models.append(model)
         hfs.append(hf)
     policy, reference = models
-
-    job_config = parse_args(["--preference.beta", str(BETA), "--preference.label_smoothing", str(SMOOTHING),
-                             "--preference.simpo_gamma", str(GAMMA)])
-    objective = Preference(kind, job_config, pairs=len(PAIRS))
-    with torch.no_grad():
-        ref_losses = token_losses(reference(inputs, positions, documents), labels)
-    ref_logps = -ref_losses.sum(-1, keepdim=True)
-    ours_losses = token_losses(policy(inputs, positions, documents), labels)
-    batch = Batch(inputs, labels, positions, documents,
-                  reference_logps=ref_logps if objective.needs_reference else None)
-    loss, metrics = objective(ours_losses, batch, objective.totals(batch))
-    loss.backward()
 
     hf_policy, hf_reference = hfs
     # TRL's batch: each row's real tokens only (no padding), as its collator pads them.
@@ -243,17 +280,32 @@ def test_losses_and_gradients_equal_trls_formulas_on_transformers(kind, tokenize
     chosen_tokens = -(pc.sum()) / nc.sum()  # the chosen rows' mean NLL over their tokens
     expected, chosen_rewards, rejected_rewards = _trl_losses(kind, pc, pr, rc, rr, nc, nr, chosen_tokens)
     expected.backward()
-
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(metrics, torch.stack([
-        chosen_rewards.mean(), rejected_rewards.mean(), (chosen_rewards - rejected_rewards).mean(),
-        (chosen_rewards > rejected_rewards).double().mean()]).detach(), rtol=1e-9, atol=1e-12)
-    ours_grads = to_hf({n: p.grad for n, p in policy.named_parameters()}, args)
     theirs_grads = dict(hf_policy.named_parameters())
-    assert ours_grads.keys() == theirs_grads.keys()
-    for name, grad in ours_grads.items():
-        torch.testing.assert_close(grad, theirs_grads[name].grad, rtol=1e-8, atol=1e-12, msg=name)
-    assert all(g.abs().sum() > 0 for g in ours_grads.values())
+
+    job_config = parse_args(["--preference.beta", str(BETA), "--preference.label_smoothing", str(SMOOTHING),
+                             "--preference.simpo_gamma", str(GAMMA)])
+    for packing, seq_len in ((False, 96), (True, 128)):
+        batch = Batch(*_rows(tokenizer, PAIRS, seq_len, packing))
+        slots = document_slots(seq_len, packing)
+        objective = Preference(kind, job_config, slots)
+        if objective.needs_reference:
+            with torch.no_grad():
+                ref_losses = token_losses(reference(batch.inputs, *batch.packing), batch.labels)
+            batch = batch.replace(reference_logps=document_logps(ref_losses, batch, slots)[0])
+        policy.zero_grad()
+        loss, metrics = objective(token_losses(policy(batch.inputs, *batch.packing), batch.labels), batch,
+                                  objective.totals(batch))
+        loss.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-12, msg=f"packing {packing}")
+        torch.testing.assert_close(metrics, torch.stack([
+            chosen_rewards.mean(), rejected_rewards.mean(), (chosen_rewards - rejected_rewards).mean(),
+            (chosen_rewards > rejected_rewards).double().mean()]).detach(), rtol=1e-9, atol=1e-12)
+        ours_grads = to_hf({n: p.grad for n, p in policy.named_parameters()}, args)
+        assert ours_grads.keys() == theirs_grads.keys()
+        for name, grad in ours_grads.items():
+            torch.testing.assert_close(grad, theirs_grads[name].grad, rtol=1e-8, atol=1e-12,
+                                       msg=f"{name}, packing {packing}")
+        assert all(g.abs().sum() > 0 for g in ours_grads.values())
 
 
 def test_the_lora_reference_is_the_base_model_exactly():
@@ -299,7 +351,10 @@ PP_RTOL = 5e-6
 DPO = ["--training.dataset", "python_docs_preference", "--training.objective", "dpo",
        "--training.seq_len", "192", "--training.steps", "6", "--optimizer.lr", "3e-4",
        "--preference.beta", "0.1", "--checkpoint.enable", "--checkpoint.interval", "3",
-       "--model.attention", "sdpa"]  # the attention context parallelism takes
+       "--model.attention", "sdpa",  # the attention context parallelism takes
+       "--training.no-packing"]  # a pair's answers in rows 2i and 2i + 1, as TRL pads them
+# Packed pairs: 384-token rows hold about two each (the embedded pairs are 64-350 tokens).
+PACKED = ["--training.packing", "true", "--training.seq_len", "384"]
 
 
 # Validation after steps 3 and 6 on the first 28 held-out pairs: 14 batches of one device's 4 rows,
@@ -342,7 +397,9 @@ def dpo_runs(straight, tokenizer, tmp_path_factory):
                                       str(stored), "--preference.precomputed_reference"],
                  # LoRA: the reference is the policy with its adapters switched off.
                  "lora": ["--training.local_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
-                          "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"]}),
+                          "--optimizer.lr", "3e-3", "--checkpoint.last_save_in_hf"],
+                 "packed": [*PACKED, "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+                            *HELD_OUT, "--validation.steps", "4"]}),
             (8, {"fsdp4 x tp2": ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2",
                                  *HELD_OUT, "--validation.steps", "7"],
                  # Each row's 192 tokens over 2 devices, load-balanced: a pair's sums cross them.
@@ -351,7 +408,11 @@ def dpo_runs(straight, tokenizer, tmp_path_factory):
                  # Pipeline stages, the reference model's copy pipelined as the policy is; a pair's
                  # two rows in different pipeline microbatches.
                  "pp2 x fsdp4": ["--training.local_batch_size", "2",
-                                 "--parallelism.pipeline_parallel_degree", "2"]})):
+                                 "--parallelism.pipeline_parallel_degree", "2"],
+                 "packed cp2 x fsdp2 x tp2": [*PACKED, "--training.local_batch_size", "2",
+                                              "--parallelism.context_parallel_degree", "2",
+                                              "--parallelism.tensor_parallel_degree", "2",
+                                              *HELD_OUT, "--validation.steps", "2"]})):
         folders = {name: tmp_path_factory.mktemp(name.replace(" ", "")) for name in jobs}
         results = train_many({name: tiny_args(folders[name], *DPO, *from_hf(straight), *flags)
                               for name, flags in jobs.items()}, devices=devices, model_overrides=TWO_BLOCKS)
@@ -361,10 +422,10 @@ def dpo_runs(straight, tokenizer, tmp_path_factory):
 
 def test_the_reference_command_writes_transformers_log_probabilities(straight, tokenizer, tmp_path):
     """`python -m torchtitan_xla.reference` on pairs of each form (plain, with a system prompt,
-    conversational: 3 pairs, so its last batch of 2 pairs is filled up): each line is the record,
-    its prompt as chat messages, with the reference's summed log-probabilities of both answers,
-    those transformers gives the export (float32 sums in another order: within 2e-5). With no
-    output file named: one line, exit 2."""
+    conversational: 3 pairs), packed (a batch of 4 rows: two pairs in the first, one in the second,
+    two empty rows): each line is the record, its prompt as chat messages, with the reference's
+    summed log-probabilities of both answers, those transformers gives the export (float32 sums in
+    another order: within 2e-5). With no output file named: one line, exit 2."""
     from transformers import AutoModelForCausalLM
 
     from torchtitan_xla.datasets.preference import parse_pair
@@ -373,7 +434,7 @@ def test_the_reference_command_writes_transformers_log_probabilities(straight, t
     pairs.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
     command = [sys.executable, "-m", "torchtitan_xla.reference", *tiny_args(tmp_path / "dump"), *DPO,
                *from_hf(straight), "--training.dataset", "preference", "--training.dataset_path", str(pairs),
-               "--training.local_batch_size", "4"]
+               "--training.local_batch_size", "4", "--training.packing", "true"]
     for flags, code in ((["--preference.reference_output", str(out)], 0), ([], 2)):
         p = subprocess.run([*command, *flags], capture_output=True, text=True, cwd=REPO, env=_env(1, None),
                            timeout=600)
@@ -469,6 +530,31 @@ def test_dpo_learns_the_pairs_and_every_mesh_agrees(dpo_runs, straight, tokenize
     assert abs(got["rewards/accuracies"] - (chosen > rejected).double().mean().item()) <= ties / 28
 
 
+def test_packed_pairs_give_one_devices_losses_on_a_mesh(dpo_runs, tokenizer):
+    """Packed pairs (rows of 384 tokens, about two pairs each, a step's pair count varying): the
+    first loss is log 2; cp2 x fsdp2 x tp2 gives one device's losses (measured: 2.2e-6 at step 2,
+    1.0e-6 under the AVX2 pins), and its held-out loss and rewards (1.1e-6), each the mean over
+    pairs of batches holding different numbers of them. Validation read the held-out pairs packed:
+    the labels it counted are those of their first 8 packed rows."""
+    from torchtitan_xla.datasets.sources import load_documents
+
+    one, mesh = dpo_runs["packed"][1], dpo_runs["packed cp2 x fsdp2 x tp2"][1]
+    assert one["losses"][1] == pytest.approx(0.6931472, abs=1e-6)
+    assert one["losses"].keys() == mesh["losses"].keys() == set(range(1, 7))
+    for step, loss in one["losses"].items():
+        assert mesh["losses"][step] == pytest.approx(loss, rel=CP_RTOL), step
+    assert one["validation_metrics"].keys() == mesh["validation_metrics"].keys() == {3, 6}
+    for step, metrics in one["validation_metrics"].items():
+        assert mesh["validation"][step] == pytest.approx(one["validation"][step], rel=CP_RTOL)
+        for name, value in metrics.items():
+            assert mesh["validation_metrics"][step][name] == pytest.approx(value, abs=1e-5), (step, name)
+    held_out = [dict(zip(("prompt", "chosen", "rejected"), json.loads(r["pair"])))
+                for r in load_documents("python_docs_preference", "", "validation")]
+    labels = _rows(tokenizer, held_out, 384, packing=True)[1][:8]
+    counted = f"4 batches, {int((labels != IGNORE_INDEX).sum()):,} tokens"
+    assert sum(counted in line for line in one["log"]) == 2, [line for line in one["log"] if "validation" in line]
+
+
 def test_lora_dpo_uses_the_base_model_as_its_reference(dpo_runs):
     """A LoRA run keeps no copy of the weights: its reference is the policy with the adapters off.
     Its first loss is log 2 (B starts at zero); after that the policy moves away from the base, so
@@ -498,7 +584,7 @@ def test_dpo_resumes_bit_exactly(dpo_runs, straight):
     (["--preference.beta", "0"], "--preference.beta = 0"),
     (["--training.objective", "dpo"], "dpo trains on preference pairs"),
     (["--training.dataset", "python_docs_preference"], "preference pairs need a preference objective"),
-    (["--training.dataset", "python_docs_preference", "--training.objective", "orpo",
+    (["--training.dataset", "python_docs_preference", "--training.objective", "orpo", "--training.no-packing",
       "--training.local_batch_size", "3"], "needs an even number of rows"),
     (["--validation.enable", "--validation.dataset", "python_docs_preference"],
      "held-out preference pairs are scored by the preference objective the run trains with"),

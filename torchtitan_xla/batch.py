@@ -4,9 +4,10 @@ What varies between pre-training, SFT and the preference objectives is which of 
 carries, not how the loop runs:
 - `inputs`, `labels` [rows, seq]: always (labels are IGNORE_INDEX where a token is not trained on);
 - `positions`, `document_ids` [rows, seq]: when several documents share a row (chat packing) or
-  rows come in pairs (preference data): the model's positions and attention mask follow them;
-- `reference_logps` [rows, 1]: dpo and ipo, each row's summed log-probability under the reference
-  model (reference/), computed by its own graph or stored with the pairs, read by the step as data.
+  documents come in pairs (preference data): the model's positions and attention mask follow them;
+- `reference_logps` [rows, slots]: dpo and ipo, each document's summed log-probability under the
+  reference model (reference/; document d of a row in slot d - 1), computed by its own graph or
+  stored with the pairs, read by the step as data.
 
 A Batch is a pytree (torch.utils._pytree), so a compiled step takes one as its argument: its
 tensors are the graph's inputs, its field names part of the traced program.

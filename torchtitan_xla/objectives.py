@@ -10,11 +10,14 @@ under `metric_names`.
 
 - `lm`: next-token cross-entropy, the mean over every counted label of the step (pre-training
   and SFT).
-- `dpo`, `ipo`, `simpo`, `orpo`: preference objectives on pairs of rows (preference.py: rows 2i
-  and 2i + 1 are the chosen and rejected completions of pair i). A row's log-probability is the
-  SUM of its completion tokens' log-probabilities (TRL's); the formulas are `preference_losses`,
-  the mean over the step's pairs. dpo and ipo also take the reference model's row
-  log-probabilities (reference/, or stored with the pairs), as the batch's `reference_logps`.
+- `dpo`, `ipo`, `simpo`, `orpo`: preference objectives on pairs of documents (preference.py:
+  documents 2j + 1 and 2j + 2 of a packed row, or rows 2i and 2i + 1 unpacked, are a pair's chosen
+  and rejected completions). A document's log-probability is the SUM of its completion tokens'
+  log-probabilities (TRL's), gathered per document into a [rows, slots] tensor of static shape;
+  the formulas are `preference_losses`, the mean over the step's pairs (a count over the whole
+  batch: packed rows hold different numbers). dpo and ipo also take the reference model's
+  per-document log-probabilities (reference/, or stored with the pairs), the batch's
+  `reference_logps`.
 """
 
 from __future__ import annotations
@@ -69,11 +72,22 @@ def preference_losses(kind: str, logps: torch.Tensor, counts: torch.Tensor,
     return losses, rewards[:, 0], rewards[:, 1]
 
 
-def row_logps(token_losses: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability, counted tokens) of each row of `labels` [rows, seq], from the loss
+def document_sums(values: torch.Tensor, document_ids: torch.Tensor, slots: int) -> torch.Tensor:
+    """[rows, slots]: the sum of `values` [rows, seq] over each document of each row, document d
+    (numbered from 1; 0 is padding) in slot d - 1. A row of one document (slots = 1) is its sum."""
+    if slots == 1:
+        return values.sum(-1, keepdim=True)
+    sums = values.new_zeros(values.shape[0], slots + 1).scatter_add(1, document_ids, values)
+    return sums[:, 1:]
+
+
+def document_logps(token_losses: torch.Tensor, batch: Batch, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability, counted tokens) of each document slot [rows, slots], from the loss
     function's per-token losses (any shape holding the rows in order; 0 where not counted)."""
-    seq = labels.shape[-1]
-    return -token_losses.reshape(-1, seq).sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    labels = batch.labels
+    counted = (labels != IGNORE_INDEX).long()
+    return (document_sums(-token_losses.reshape(labels.shape), batch.document_ids, slots),
+            document_sums(counted, batch.document_ids, slots))
 
 
 class LanguageModeling:
@@ -97,37 +111,41 @@ class LanguageModeling:
 
 
 class Preference:
-    """dpo, ipo, simpo, orpo on the step's `pairs` pairs (module docstring). Metrics, as TRL logs
-    them: the mean chosen and rejected rewards, their margin, and the fraction of pairs whose
-    chosen reward is the larger."""
+    """dpo, ipo, simpo, orpo on the step's pairs, `slots` documents to a row (module docstring).
+    Metrics, as TRL logs them: the mean chosen and rejected rewards, their margin, and the fraction
+    of pairs whose chosen reward is the larger."""
 
     metric_names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
-    def __init__(self, kind: str, job_config: JobConfig, pairs: int):
+    def __init__(self, kind: str, job_config: JobConfig, slots: int):
         cfg = job_config.preference
-        self.kind, self.pairs = kind, pairs
+        self.kind, self.slots = kind, slots
         # A reference model to run: not where the pairs carry its log-probabilities.
         self.needs_reference = kind in WITH_REFERENCE and not cfg.precomputed_reference
         self.settings = dict(beta=cfg.beta, label_smoothing=cfg.label_smoothing,
                              simpo_gamma=cfg.simpo_gamma)
 
-    def totals(self, batch: Batch) -> torch.Tensor | None:
-        # ORPO's NLL term: the mean over every completion token of the step's chosen rows.
-        if self.kind != "orpo":
-            return None
-        labels = batch.labels
-        return (labels.view(-1, 2, labels.shape[-1])[:, 0] != IGNORE_INDEX).sum().clamp(min=1)
+    def totals(self, batch: Batch) -> torch.Tensor:
+        """[pairs, chosen completions' tokens] over the step: the losses' and ORPO's NLL's counts."""
+        chosen = document_sums((batch.labels != IGNORE_INDEX).long(), batch.document_ids,
+                               self.slots).reshape(-1, 2)[:, 0]
+        return torch.stack([(chosen > 0).sum(), chosen.sum()]).clamp(min=1)
 
-    def __call__(self, token_losses: torch.Tensor, batch: Batch, totals: torch.Tensor | None):
-        logps, counts = row_logps(token_losses, batch.labels)
+    def __call__(self, token_losses: torch.Tensor, batch: Batch, totals: torch.Tensor):
+        logps, counts = (t.reshape(-1, 2) for t in document_logps(token_losses, batch, self.slots))
+        real = counts[:, 0] > 0  # a slot of a packed row may hold no pair
+        # An empty slot's sums are 0, whose log odds (ORPO) are infinite: a finite stand-in.
+        logps = torch.where(real.unsqueeze(-1), logps, -1.0)
         reference = None if batch.reference_logps is None else batch.reference_logps.reshape(-1, 2)
-        losses, chosen, rejected = preference_losses(
-            self.kind, logps.view(-1, 2), counts.view(-1, 2).clamp(min=1), reference, **self.settings)
-        loss = losses.sum() / self.pairs
+        losses, chosen, rejected = preference_losses(self.kind, logps, counts.clamp(min=1), reference,
+                                                     **self.settings)
+        pairs = totals[0]
+        loss = torch.where(real, losses, 0.0).sum() / pairs
         if self.kind == "orpo":
-            loss = loss - logps.view(-1, 2)[:, 0].sum() / totals
-        metrics = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
-                               (chosen > rejected).float().sum()]) / self.pairs
+            loss = loss - torch.where(real, logps[:, 0], 0.0).sum() / totals[1]
+        metrics = torch.stack([torch.where(real, chosen, 0.0).sum(), torch.where(real, rejected, 0.0).sum(),
+                               torch.where(real, chosen - rejected, 0.0).sum(),
+                               (real & (chosen > rejected)).float().sum()]) / pairs
         return loss, metrics
 
 
@@ -140,8 +158,11 @@ def copies_reference(job_config: JobConfig) -> bool:
             and bool(pref.reference or not job_config.lora.rank))
 
 
-def build_objective(job_config: JobConfig, *, global_batch: int, accumulation_steps: int):
+def build_objective(job_config: JobConfig, *, accumulation_steps: int):
     kind = job_config.training.objective
     if kind == "lm":
         return LanguageModeling(accumulation_steps)
-    return Preference(kind, job_config, global_batch // 2)
+    from torchtitan_xla.datasets.preference import document_slots
+
+    t = job_config.training
+    return Preference(kind, job_config, document_slots(t.seq_len, t.packing))

@@ -61,7 +61,7 @@ class Validator:
     """`validator.run()` -> ValidationResult over `steps` batches of a fresh loader (all of them
     with steps = -1). `make_loader()` builds that loader; `eval_step(batch)` is the compiled
     graph returning [sum of token losses, counted tokens], or with a preference objective [its
-    loss, its metrics named `metric_names` (batch means), counted tokens], the batch's
+    loss, its metrics named `metric_names` (batch means), counted tokens, pairs], the batch's
     `reference_logps` first scored by `reference(batch)` where a reference model runs (else the
     pairs carry them, or the objective has no reference)."""
 
@@ -105,16 +105,18 @@ class Validator:
                            f"batches; validating on those")
         # One transfer for every batch's sums, after the last batch was queued.
         values = [[float(x) for x in v] for v in runtime.to_host(sums)]
-        tokens = int(sum(v[-1] for v in values))
+        tokens = int(sum(v[-1 - bool(self.metric_names)] for v in values))
         self.runs += 1
         seconds = time.perf_counter() - start
         if not self.metric_names:
             loss = sum(v[0] for v in values) / max(tokens, 1)
             return ValidationResult(loss=loss, tokens=tokens, batches=len(sums), seconds=seconds)
-        # Batch means of batches of equal size (drop_last): their mean is the mean over every pair.
-        means = [sum(column) / len(values) for column in zip(*values)]
+        # Each batch's means weighted by its pairs (packed rows hold different numbers): the
+        # means over every validated pair.
+        pairs = sum(v[-1] for v in values)
+        means = [sum(v[k] * v[-1] for v in values) / pairs for k in range(len(self.metric_names) + 1)]
         return ValidationResult(loss=means[0], tokens=tokens, batches=len(sums), seconds=seconds,
-                                metrics=dict(zip(self.metric_names, means[1:-1])))
+                                metrics=dict(zip(self.metric_names, means[1:])))
 
 
 def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: LossFn,
@@ -141,8 +143,9 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
         counted = (batch.labels != IGNORE_INDEX).sum().to(losses.dtype)
         if objective is None:
             return torch.stack([losses.sum(), counted])
-        loss, metrics = objective(losses, batch, objective.totals(batch))
-        return torch.cat([loss.view(1), metrics, counted.view(1)])
+        totals = objective.totals(batch)
+        loss, metrics = objective(losses, batch, totals)
+        return torch.cat([loss.view(1), metrics, counted.view(1), totals[:1].to(losses.dtype)])
 
     state = [*model.parameters(), *model.buffers()]  # read, never written
     compiled = runtime.build_step(job_config.compile.step, eval_step, state, name="eval_step")

@@ -97,9 +97,10 @@ def _check_objective(cfg: JobConfig, sources) -> None:
                              f"preference or python_docs_preference)"))
     if not pairs:
         return
-    if t.local_batch_size % 2:
+    if t.local_batch_size % 2 and not t.packing:
         raise ConfigError(f"{sources.describe('training', 'local_batch_size')} = {t.local_batch_size}: "
-                          f"{t.objective} needs an even number of rows (each pair is two rows)")
+                          f"{t.objective} needs an even number of rows (with packing = false each "
+                          f"pair is two rows)")
     pref = cfg.preference
     stored = f"{sources.describe('preference', 'precomputed_reference')} = true"
     if pref.precomputed_reference and t.objective not in ("dpo", "ipo"):

@@ -141,9 +141,10 @@ class Training:
         "at log and checkpoint steps; 0: never stop.", ge=0)
     steps: int = opt(10000, "Training steps.", gt=0)
     packing: bool = opt(
-        True, "Chat datasets: pack several conversations into each sequence, with attention that "
-        "does not cross conversations and positions that restart at each; false: one "
-        "conversation per sequence, padded. (Pre-training text is always one packed stream.)")
+        True, "Chat and preference datasets: pack several conversations (or pairs, each whole) into "
+        "each sequence, with attention that does not cross them and positions that restart at "
+        "each; false: one conversation (or one answer of a pair) per sequence, padded. "
+        "(Pre-training text is always one packed stream.)")
     objective: Literal["lm", "dpo", "ipo", "simpo", "orpo"] = opt(
         "lm", "The loss (docs/posttrain.md): lm is next-token cross-entropy (pre-training, SFT); "
         "dpo, ipo, simpo and orpo are preference objectives on pairs of a preference dataset.")

@@ -19,9 +19,9 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
     global batch), read from this host's share of the dataset, resumable via state_dict().
     Batches are (inputs, labels), each [batch_size, seq_len] int64; for the chat and preference
     datasets (inputs, labels, positions, document_ids), labels -100 where not trained (chat.py,
-    preference.py: rows 2i and 2i + 1 are the chosen and rejected sequences of a pair; with
-    [preference] precomputed_reference, a fifth [batch_size, 1] float32 column of their stored
-    reference log-probabilities).
+    preference.py: pairs of documents, packed or in rows 2i and 2i + 1; with [preference]
+    precomputed_reference, a fifth [batch_size, slots] float32 column of their stored reference
+    log-probabilities).
 
     With `device` (and `input_sharding`), batches arrive on the device mesh, prefetched in a
     background thread; without, they stay on the host (tests, benchmarks). `batch_transform`:
@@ -44,7 +44,7 @@ def build_data_loader(job_config: JobConfig, tokenizer: Tokenizer, *, batch_size
         stream = dict(host_rank=host_rank, host_count=host_count, shuffle_buffer=t.shuffle_buffer,
                       seed=seed, infinite=infinite, name=t.dataset)
         if t.dataset in PREFERENCE_DATASETS:
-            dataset = PreferenceDataset(documents, tokenizer, t.seq_len, **stream,
+            dataset = PreferenceDataset(documents, tokenizer, t.seq_len, packing=t.packing, **stream,
                                         reference=job_config.preference.precomputed_reference)
         elif t.dataset in CHAT_DATASETS:
             dataset = ChatDataset(documents, tokenizer, t.seq_len, packing=t.packing, **stream)

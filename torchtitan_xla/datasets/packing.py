@@ -231,7 +231,7 @@ class ChatDataset(DocumentStream):
             yield self._emit()
 
     def _filled(self) -> int:
-        return sum(len(inputs) for inputs, _ in self._row)
+        return sum(len(document[0]) for document in self._row)
 
     def _example(self, text: str) -> tuple[list[int], list[int]]:
         """One conversation's (inputs, labels): the ids shifted by one, labels masked where the

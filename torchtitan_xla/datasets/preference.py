@@ -16,13 +16,19 @@ A record may also carry the reference model's summed log-probabilities of its tw
 "ref_chosen_logps" and "ref_rejected_logps" (TRL's columns), which `[preference]
 precomputed_reference = true` reads instead of running a reference model.
 
-Rows (PreferenceDataset): each pair gives two rows, the chosen sequence then the rejected one,
-in chat.py's four columns (inputs, labels, positions, document_ids); labels are -100 except on the
-final answer's tokens (its content and end-of-turn token), so the summed log-probability of a row
-is that of its completion given the prompt. Pairs are never packed: a batch's rows 2i and 2i + 1
-are pair i. A completion that does not fit seq_len is cut at its end (a warning, once); a prompt
-that leaves no room for any completion token stops the run, naming the record. With the stored
-reference log-probabilities, a fifth column [1] holds each row's.
+Rows (PreferenceDataset), in chat.py's four columns (inputs, labels, positions, document_ids):
+labels are -100 except on the final answer's tokens (its content and end-of-turn token), so the
+summed log-probability of a sequence is that of its completion given the prompt. Each pair gives
+two sequences, the chosen one then the rejected one:
+- unpacked (`[training] packing = false`): one row each, padded: a batch's rows 2i and 2i + 1 are
+  pair i. A completion that does not fit seq_len is cut at its end (a warning, once).
+- packed: pairs fill each row greedily as consecutive documents (1 and 2 the first pair's
+  chosen and rejected, 3 and 4 the next's, ...); a pair never spans rows, and a row holds at most
+  `document_slots(seq_len)` documents. A pair longer than seq_len has its completions cut so that
+  it fits: the longer one first, neither below half the row unless the other is shorter.
+A prompt that leaves no room for any completion token stops the run, naming the record. With the
+stored reference log-probabilities, a fifth float32 column [slots] holds each document's in its
+slot (document d in slot d - 1; one slot when unpacked), 0 where a row has no document.
 """
 
 from __future__ import annotations
@@ -149,36 +155,61 @@ def completion_row(prompt: list[chat.Message], answer: str,
     return ids[:-1], labels, start
 
 
+def document_slots(seq_len: int, packing: bool) -> int:
+    """The most documents a row of pairs holds, the static size of the per-document sums
+    (objectives.py): 1 unpacked; packed, two per 16 tokens of the row (a pair of chat sequences is
+    longer than that), at least one pair."""
+    return 2 * max(1, seq_len // 16) if packing else 1
+
+
 class PreferenceDataset(ChatDataset):
     """This host's share of the pairs (the "pair" column: JSON [prompt, chosen, rejected,
-    reference]) as rows, the chosen sequence then the rejected one (module docstring). With
-    `reference`, each row also carries its stored reference log-probability (a float32 [1]
-    column, the batch's `reference_logps`), and a pair without one stops the run."""
+    reference]) as rows, unpacked or packed (module docstring). With `reference`, each row also
+    carries its documents' stored reference log-probabilities (a float32 [slots] column, the
+    batch's `reference_logps`), and a pair without them stops the run."""
 
     column = "pair"
 
     def __init__(self, pairs: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
-                 reference: bool = False, **stream):
-        super().__init__(pairs, tokenizer, seq_len, packing=False, **stream)
+                 packing: bool = False, reference: bool = False, **stream):
+        super().__init__(pairs, tokenizer, seq_len, packing=packing, **stream)
         self._reference = reference
-        self._pending: list[tuple] = []  # the rejected row of a pair half out
+        self._slots = document_slots(seq_len, packing)
+        self._pending: list[tuple] = []  # unpacked: the rejected row of a pair half out
 
     def __iter__(self):
+        if self._packing:
+            yield from self._packed()
+            return
         while self._pending:  # resumed between a pair's rows
             self._row = [self._pending.pop(0)]
             yield self._emit()
         for text in self._stream():
-            chosen, rejected = self._rows(text)
+            chosen, rejected = self._pair(text)
             self._row, self._pending = [chosen], [rejected]
             row = self._emit()  # the state at the yield holds the rejected row
             yield row
             self._row, self._pending = [rejected], []
             yield self._emit()
 
-    def _rows(self, text: str) -> tuple[tuple, tuple]:
-        """(inputs, labels[, reference log-probability]) of the chosen and the rejected row."""
+    def _packed(self):
+        for text in self._stream():
+            pair = list(self._pair(text))
+            if self._filled() + len(pair[0][0]) + len(pair[1][0]) > self._seq_len:  # the next row's
+                yield self._emit(next_row=pair)
+            else:
+                self._row += pair
+            if self._filled() == self._seq_len or len(self._row) == self._slots:
+                yield self._emit()
+        if self._row:  # a finite stream's last, partly filled row
+            yield self._emit()
+
+    def _pair(self, text: str) -> tuple[tuple, tuple]:
+        """(inputs, labels[, reference log-probability]) of the chosen and the rejected sequence."""
         prompt, chosen, rejected, reference = json.loads(text)
-        rows = [self._fit(*completion_row(prompt, answer, self._tokenizer)) for answer in (chosen, rejected)]
+        whole = [completion_row(prompt, answer, self._tokenizer) for answer in (chosen, rejected)]
+        limits = self._limits(len(whole[0][0]), len(whole[1][0]))
+        rows = [self._fit(*row, limit) for row, limit in zip(whole, limits)]
         if not self._reference:
             return rows[0], rows[1]
         if reference is None:
@@ -186,23 +217,39 @@ class PreferenceDataset(ChatDataset):
                               f"[preference] precomputed_reference = true reads in every pair")
         return (*rows[0], reference[0]), (*rows[1], reference[1])
 
-    def _emit(self, next_row=()) -> tuple[torch.Tensor, ...]:
-        (row,) = self._row
-        self._row = [row[:2]]
-        columns = super()._emit(next_row)
-        if len(row) == 2:
-            return columns
-        return (*columns, torch.tensor(row[2:], dtype=torch.float32))
+    def _limits(self, chosen: int, rejected: int) -> tuple[int, int]:
+        """The most tokens kept of each sequence: seq_len unpacked; packed, what lets the pair fit
+        one row, cut from the longer first."""
+        n = self._seq_len
+        if not self._packing or chosen + rejected <= n:
+            return n, n
+        kept = min(chosen, max(n // 2, n - rejected))
+        return kept, n - kept
 
-    def _fit(self, inputs: list[int], labels: list[int], prompt_len: int) -> tuple[list[int], list[int]]:
-        if prompt_len > self._seq_len:
+    def _emit(self, next_row=()) -> tuple[torch.Tensor, ...]:
+        references = [document[2:] for document in self._row]
+        self._row = [document[:2] for document in self._row]
+        columns = super()._emit(next_row)
+        if not self._reference:
+            return columns
+        slots = torch.zeros(self._slots, dtype=torch.float32)
+        slots[:len(references)] = torch.tensor(references, dtype=torch.float32).flatten()
+        return (*columns, slots)
+
+    def _fit(self, inputs: list[int], labels: list[int], prompt_len: int,
+             limit: int) -> tuple[list[int], list[int]]:
+        n = self._seq_len
+        if prompt_len > limit:
+            room = (f"[training] seq_len {n:,}" if limit == n else f"the {limit:,} tokens its pair "
+                    f"leaves it in a packed row of [training] seq_len {n:,}")
             raise ConfigError(f"dataset {self.name}: a prompt of {prompt_len:,} tokens leaves no "
-                              f"room for its answer in [training] seq_len {self._seq_len:,}")
-        if len(inputs) > self._seq_len and not self._warned:
+                              f"room for its answer in {room}")
+        if len(inputs) > limit and not self._warned:
             self._warned = True
-            logger.warning(f"dataset {self.name} ({self._where}): an answer ends past seq_len "
-                           f"{self._seq_len:,} and is cut there (logged once)")
-        return inputs[:self._seq_len], labels[:self._seq_len]
+            what = (f"an answer ends past seq_len {n:,} and is cut there" if not self._packing else
+                    f"a pair is longer than seq_len {n:,}: its answers are cut so that it fits a packed row")
+            logger.warning(f"dataset {self.name} ({self._where}): {what} (logged once)")
+        return inputs[:limit], labels[:limit]
 
     def check_documents(self, workers: int, where: str) -> None:
         """ChatDataset's check, then every pair of a local or embedded source rendered now, so a
@@ -210,20 +257,30 @@ class PreferenceDataset(ChatDataset):
         super().check_documents(workers, where)
         for batch in self._source.iter(batch_size=1):
             try:
-                self._rows(batch[self.column][0])
+                self._pair(batch[self.column][0])
             except ConfigError as e:
                 prompt = json.loads(batch[self.column][0])[0][-1]["content"]
                 raise ConfigError(f"{where}: the pair whose prompt ends {prompt[-40:]!r}: "
                                   f"{str(e).partition(': ')[2]}") from None
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"pending": [[list(r[0]), list(r[1]), *r[2:]] for r in self._pending]}
+        return {"row": _saved(self._row), "pending": _saved(self._pending)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._pending = [(list(r[0]), list(r[1]), *r[2:]) for r in state["pending"]]
-        if any((len(r) > 2) != self._reference for r in self._pending):
-            raise ConfigError(f"dataset {self.name}: the checkpoint stopped between a pair's rows with "
+        self._row, self._pending = _restored(state.get("row", [])), _restored(state["pending"])
+        if any((len(d) > 2) != self._reference for d in self._row + self._pending):
+            raise ConfigError(f"dataset {self.name}: the checkpoint holds pairs read with "
                               f"[preference] precomputed_reference = {str(not self._reference).lower()}; "
                               f"resume with the same setting")
-        self._row = []
+        if self._pending if self._packing else self._row:
+            raise ConfigError(f"dataset {self.name}: the checkpoint holds pairs read with "
+                              f"[training] packing = {str(not self._packing).lower()}; resume with the "
+                              f"same setting")
 
+
+def _saved(documents: list[tuple]) -> list[list]:
+    return [[list(d[0]), list(d[1]), *d[2:]] for d in documents]
+
+
+def _restored(documents: list[list]) -> list[tuple]:
+    return [(list(d[0]), list(d[1]), *d[2:]) for d in documents]

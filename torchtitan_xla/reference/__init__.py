@@ -20,7 +20,7 @@ from torchtitan_xla import runtime
 from torchtitan_xla.batch import Batch
 from torchtitan_xla.config import JobConfig
 from torchtitan_xla.errors import ConfigError
-from torchtitan_xla.objectives import copies_reference, row_logps
+from torchtitan_xla.objectives import copies_reference, document_logps
 
 KEY = "[preference] reference"
 
@@ -48,8 +48,8 @@ def configured_reference(job_config: JobConfig) -> str:
 
 def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, tokenizer,
                     on: tuple) -> Callable[..., torch.Tensor]:
-    """`reference(batch)` -> each row's summed completion log-probability [rows, 1] under the
-    reference model, float32 (the batch's `reference_logps`), as one compiled graph.
+    """`reference(batch)` -> each document's summed completion log-probability [rows, slots] under
+    the reference model, float32 (the batch's `reference_logps`), as one compiled graph.
     `loss_fn` is the plain loss function (no label smoothing or z-loss); `on` is (device, mesh,
     parallel_dims)."""
     import contextlib
@@ -70,18 +70,22 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
         _check_same_shapes(model, policy, source)
         model.requires_grad_(False)
         switch = contextlib.nullcontext
-    return scoring_step(model, loss_fn, switch)
+    return scoring_step(model, loss_fn, switch, job_config)
 
 
-def scoring_step(model: torch.nn.Module, loss_fn, switch) -> Callable[..., torch.Tensor]:
-    """`score(batch)`: each row's summed completion log-probability [rows, 1] under `model`
-    (inside the `switch()` context), float32, as one compiled graph."""
+def scoring_step(model: torch.nn.Module, loss_fn, switch,
+                 job_config: JobConfig) -> Callable[..., torch.Tensor]:
+    """`score(batch)`: each document's summed completion log-probability [rows, slots] under
+    `model` (inside the `switch()` context), float32, as one compiled graph."""
+    from torchtitan_xla.datasets.preference import document_slots
+
+    slots = document_slots(job_config.training.seq_len, job_config.training.packing)
 
     @torch.no_grad()
     def score(batch: Batch):
         with switch():
             token_losses = loss_fn(model, batch.inputs, batch.labels, *batch.packing)
-        return row_logps(token_losses, batch.labels)[0].unsqueeze(-1)
+        return document_logps(token_losses, batch, slots)[0]
 
     return runtime.build_step("lazy", score, [*model.parameters(), *model.buffers()],
                               name="reference_step")

@@ -31,6 +31,7 @@ def main(job_config: JobConfig) -> list[dict]:
     import contextlib
 
     import torch
+    from torch.utils.data import default_collate
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from torchtitan_xla import runtime, storage
@@ -42,7 +43,7 @@ def main(job_config: JobConfig) -> list[dict]:
     from torchtitan_xla.datasets.sources import _from_generator, load_documents
     from torchtitan_xla.inference import inference_config, load_model, weights_folder
     from torchtitan_xla.logging import init_logger, logger
-    from torchtitan_xla.losses import build_loss_fn
+    from torchtitan_xla.losses import IGNORE_INDEX, build_loss_fn
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims
     from torchtitan_xla.parallelisms.context_parallel import balance_batches
     from torchtitan_xla.reference import KEY, configured_reference, policy_kernels, scoring_step
@@ -62,7 +63,7 @@ def main(job_config: JobConfig) -> list[dict]:
     runtime.configure(job_config.compile.step if job_config.compile.step in runtime.STEP_COMPILERS
                       else "replay")
 
-    # Every pair, in order; the last batch filled up with copies of the last pair (not written).
+    # Every pair, in order, as training reads them (packed or not).
     pairs = [json.loads(r["pair"]) for r in load_documents(t.dataset, t.dataset_path, t.dataset_split)]
     device = runtime.init_devices()
     if runtime.process_count() > 1:
@@ -71,14 +72,17 @@ def main(job_config: JobConfig) -> list[dict]:
     parallel_dims = ParallelDims.from_config(job_config.parallelism, runtime.device_count())
     mesh = parallel_dims.build_mesh(runtime.device_type())
     rows = t.local_batch_size * parallel_dims.dp_degree
-    padded = pairs + pairs[-1:] * (-len(pairs) % (rows // 2))
     tokenizer = build_tokenizer(job_config.model.tokenizer_path, job_config.model.name)
-    dataset = PreferenceDataset(_from_generator(encode_pairs, column="pair", pairs=padded), tokenizer,
-                                t.seq_len, infinite=False, name=t.dataset)
+    dataset = PreferenceDataset(_from_generator(encode_pairs, column="pair", pairs=pairs), tokenizer,
+                                t.seq_len, packing=t.packing, infinite=False, name=t.dataset)
     dataset.check_documents(0, f"[training] dataset_path: {t.dataset_path}" if t.dataset_path
                             else f"[training] dataset: {t.dataset}")
     # As training's loader: context parallelism's load-balanced order included.
-    loader = DataLoader(StatefulDataLoader(dataset, batch_size=rows), device=device,
+    def collate(examples: list[tuple]) -> tuple:  # the last batch filled up with empty rows
+        empty = tuple(torch.full_like(c, IGNORE_INDEX if k == 1 else 0) for k, c in enumerate(examples[0]))
+        return default_collate(examples + [empty] * (rows - len(examples)))
+
+    loader = DataLoader(StatefulDataLoader(dataset, batch_size=rows, collate_fn=collate), device=device,
                         input_sharding=runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=1),
                         batch_transform=balance_batches(parallel_dims, t.seq_len))
     model = load_model(inference_config(job_config), folder, is_hf, KEY, tokenizer=tokenizer,
@@ -88,11 +92,13 @@ def main(job_config: JobConfig) -> list[dict]:
     autocast_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None
     loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype,
                             plain=True)
-    score = scoring_step(model, loss_fn, contextlib.nullcontext)
+    score = scoring_step(model, loss_fn, contextlib.nullcontext, job_config)
     logger.info(f"Scoring {len(pairs):,} pairs under the reference {source}, {rows} rows at a time")
-    logps: list[float] = []
+    logps: list[float] = []  # each document's, in order: the pairs' chosen and rejected
     for loaded in loader:
-        logps += runtime.to_host([score(Batch.of(loaded))])[0].flatten().tolist()
+        batch = Batch.of(loaded)
+        slots, documents = runtime.to_host([score(batch), batch.document_ids.amax(-1)])
+        logps += [x for row, k in zip(slots.tolist(), documents.tolist()) for x in row[:k]]
     out = [{"prompt": prompt, "chosen": chosen, "rejected": rejected,
             REFERENCE_KEYS[0]: logps[2 * i], REFERENCE_KEYS[1]: logps[2 * i + 1]}
            for i, (prompt, chosen, rejected, _) in enumerate(pairs)]
