@@ -38,8 +38,9 @@ MESHES = {
     "cp8": CP8, "cp8_unbalanced": [*CP8, *UNBALANCED],
     # (the order matters to the gathered keys' mask alone: in order on cp8 and cp8 with chat data)
     "cp4_fsdp2": CP4_FSDP2, "cp2_fsdp2_tp2": CP2_FSDP2_TP2,
-    "cp4_fsdp2_chat": [*CP4_FSDP2, *CHAT], "cp8_chat_unbalanced": [*CP8, *CHAT, *UNBALANCED],
-    "cp4_fsdp2_full_ac": [*CP4_FSDP2, "--activation_checkpoint.mode", "full"],
+    "cp8_chat_unbalanced": [*CP8, *CHAT, *UNBALANCED],
+    # (packed conversations, with full activation checkpointing)
+    "cp4_fsdp2_chat_full_ac": [*CP4_FSDP2, *CHAT, "--activation_checkpoint.mode", "full"],
     # Ring attention: keys and values passed around the cp devices.
     "cp4_fsdp2_ring": [*CP4_FSDP2, *RING], "cp2_fsdp2_tp2_ring": [*CP2_FSDP2_TP2, *RING],
     "cp8_chat_ring": [*CP8, *CHAT, *RING], "cp8_unbalanced_ring": [*CP8, *UNBALANCED, *RING],

@@ -69,19 +69,23 @@ DIVERGING = ["--training.local_batch_size", "8", "--optimizer.lr", "1e3", "--che
 
 
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> Path:
-    """A seed checkpoint (the initial weights alone) written by the XLA runtime."""
-    folder = tmp_path_factory.mktemp("seed")
-    train_run(tiny_args(folder, "--checkpoint.create_seed_checkpoint"), model_overrides=LAYERS)
-    return folder / "checkpoint" / "step-0"
+def seeds(tmp_path_factory) -> dict[str, Path]:
+    """Seed checkpoints (the initial weights alone) written by the XLA runtime, in one process:
+    {"dense": the debug model's, "moe": Mixtral's debug model's}."""
+    folder = tmp_path_factory.mktemp("seeds")
+    train_many({name: tiny_args(folder / name, *flags, "--checkpoint.create_seed_checkpoint")
+                for name, flags in (("dense", []), ("moe", MOE))}, devices=1, model_overrides=LAYERS)
+    return {name: folder / name / "checkpoint" / "step-0" for name in ("dense", "moe")}
 
 
 @pytest.fixture(scope="module")
-def moe_seed(tmp_path_factory) -> Path:
-    """The same for Mixtral's debug model."""
-    folder = tmp_path_factory.mktemp("moe_seed")
-    train_run(tiny_args(folder, *MOE, "--checkpoint.create_seed_checkpoint"), model_overrides=LAYERS)
-    return folder / "checkpoint" / "step-0"
+def seed(seeds) -> Path:
+    return seeds["dense"]
+
+
+@pytest.fixture(scope="module")
+def moe_seed(seeds) -> Path:
+    return seeds["moe"]
 
 
 def from_seed(seed: Path, steps: int = 10) -> list[str]:

@@ -43,18 +43,16 @@ def mesh(pp: int, tp: int = 1, micro: int | None = None, *extra: str) -> list[st
 # pp=2 x tp=2) runs each schedule (GPipe, circular) and M = S and M = 2S, in pairs, not in every triple.
 MESHES = {
     "pp2_fsdp4": (mesh(2), (2, 1, 4, 1, 1, 1), 2, 2, 1),
-    # (on packed conversations: positions and document ids travel with the activations)
-    "pp2_fsdp4_m4_chat": (mesh(2, 1, 4, *CHAT), (2, 1, 4, 1, 1, 1), 2, 4, 1),
     "pp2_fsdp4_circular_m4": (mesh(2, 1, 4, *CIRCULAR), (2, 1, 4, 1, 1, 1), 2, 4, 2),
     "pp4_fsdp2_m8": (mesh(4, 1, 8), (4, 1, 2, 1, 1, 1), 4, 8, 1),
-    # (with full activation checkpointing)
-    "pp4_fsdp2_circular_full_ac": (mesh(4, 1, 4, *CIRCULAR, "--activation_checkpoint.mode", "full"),
-                                   (4, 1, 2, 1, 1, 1), 4, 4, 2),
+    # (on packed conversations, whose positions and document ids travel with the activations, round
+    # the circular schedule's wrap; with full activation checkpointing)
+    "pp4_fsdp2_circular_chat_full_ac": (mesh(4, 1, 4, *CIRCULAR, *CHAT, "--activation_checkpoint.mode", "full"),
+                                        (4, 1, 2, 1, 1, 1), 4, 4, 2),
     "pp2_fsdp2_tp2_m4": (mesh(2, 2, 4), (2, 1, 2, 1, 1, 2), 2, 4, 1),
-    "pp2_fsdp2_tp2_circular": (mesh(2, 2, 2, *CIRCULAR), (2, 1, 2, 1, 1, 2), 2, 2, 2),
     # (with gradient accumulation: 2 steps of 8 sequences)
-    "pp2_fsdp2_tp2_circular_m4_accumulated": ([*mesh(2, 2, 4, *CIRCULAR), "--training.local_batch_size", "4"],
-                                              (2, 1, 2, 1, 1, 2), 2, 4, 2),
+    "pp2_fsdp2_tp2_circular_accumulated": ([*mesh(2, 2, 2, *CIRCULAR), "--training.local_batch_size", "4"],
+                                           (2, 1, 2, 1, 1, 2), 2, 2, 2),
 }
 # Only the order of floating-point sums differs between meshes (float32).
 MESH_RTOL = 2e-6
@@ -62,20 +60,20 @@ MESH_RTOL = 2e-6
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    """One device: 9 steps saved at 3, 6, 9 and exported to HF; 5 steps of chat data."""
+    """One device: 6 steps saved at 3 and 6 and exported to HF; 5 steps of chat data."""
     out = tmp_path_factory.mktemp("pp1")
-    runs = {"one": [*CKPT, "--training.steps", "9", "--checkpoint.last_save_in_hf"], "chat": CHAT}
+    runs = {"one": [*CKPT, "--training.steps", "6", "--checkpoint.last_save_in_hf"], "chat": CHAT}
     return out, train_many({k: tiny_args(out / k, *COMMON, "--training.local_batch_size", str(GLOBAL), *v)
                             for k, v in runs.items()}, devices=1, model_overrides=NARROW)
 
 
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
-    """Every mesh on 8 devices (each compiled step dumped); pp=2 x fsdp=4 saving at 3, 6 and 9 and
-    exporting to HF after its 9 steps, fsdp=8 saving at 3."""
+    """Every mesh on 8 devices (each compiled step dumped); pp=2 x fsdp=4 saving at 3 and 6 and
+    exporting to HF after its 6 steps, fsdp=8 saving at 3."""
     out = tmp_path_factory.mktemp("pp8")
     runs = {k: tiny_args(out / k, *COMMON, *v[0]) for k, v in MESHES.items()}
-    runs["pp_saved"] = tiny_args(out / "pp_saved", *COMMON, *mesh(2), *CKPT, "--training.steps", "9",
+    runs["pp_saved"] = tiny_args(out / "pp_saved", *COMMON, *mesh(2), *CKPT, "--training.steps", "6",
                                  "--checkpoint.last_save_in_hf")
     runs["fsdp8_saved"] = tiny_args(out / "fsdp8_saved", *COMMON, "--training.local_batch_size", "2", *CKPT,
                                     "--training.steps", "3")
@@ -92,14 +90,14 @@ def _keep_only(folder: Path, source: Path, step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def resumed(eight_devices):
-    """pp=2 x fsdp=4 resumed from its own step 3 (to 9); fsdp=8 resumed from its step 6 (to 9);
-    pp=2 x fsdp=4 resumed from fsdp=8's step 3 (to 5)."""
+    """pp=2 x fsdp=4 resumed from its own step 3 (to 6), and on fsdp=8 (to 6); pp=2 x fsdp=4
+    resumed from fsdp=8's step 3 (to 5)."""
     out, _ = eight_devices
     runs = {
         "pp_resumed": tiny_args(_keep_only(out / "r1", out / "pp_saved", 3), *COMMON, *mesh(2), *CKPT,
-                                "--training.steps", "9"),
-        "fsdp8_from_pp": tiny_args(_keep_only(out / "r2", out / "pp_saved", 6), *COMMON, *CKPT,
-                                   "--training.local_batch_size", "2", "--training.steps", "9"),
+                                "--training.steps", "6"),
+        "fsdp8_from_pp": tiny_args(_keep_only(out / "r2", out / "pp_saved", 3), *COMMON, *CKPT,
+                                   "--training.local_batch_size", "2", "--training.steps", "6"),
         "pp_from_fsdp8": tiny_args(_keep_only(out / "r3", out / "fsdp8_saved", 3), *COMMON, *mesh(2), *CKPT),
     }
     return train_many(runs, devices=8, model_overrides=NARROW)
@@ -119,11 +117,11 @@ def test_every_mesh_and_schedule_gives_one_devices_losses(name, one_device, eigh
 
 
 def test_resume_is_bit_exact_and_checkpoints_move_between_pp_and_fsdp(one_device, eight_devices, resumed):
-    """A pipelined run resumed from its step 3 repeats its own losses exactly; its step-6 checkpoint
+    """A pipelined run resumed from its step 3 repeats its own losses exactly; the same checkpoint
     resumes on fsdp=8, and fsdp=8's step 3 on pp=2 x fsdp=4, each with one device's losses."""
     saved, reference = eight_devices[1]["pp_saved"]["losses"], one_device[1]["one"]["losses"]
-    assert resumed["pp_resumed"]["losses"] == {s: saved[s] for s in range(4, 10)}
-    for run, steps in (("fsdp8_from_pp", {7, 8, 9}), ("pp_from_fsdp8", {4, 5})):
+    assert resumed["pp_resumed"]["losses"] == {s: saved[s] for s in range(4, 7)}
+    for run, steps in (("fsdp8_from_pp", {4, 5, 6}), ("pp_from_fsdp8", {4, 5})):
         assert set(resumed[run]["losses"]) == steps
         for step, loss in resumed[run]["losses"].items():
             assert loss == pytest.approx(reference[step], rel=MESH_RTOL), (run, step)
@@ -131,7 +129,7 @@ def test_resume_is_bit_exact_and_checkpoints_move_between_pp_and_fsdp(one_device
 
 def test_checkpoints_and_the_hf_export_use_the_per_layer_names(one_device, eight_devices):
     """The pipelined run's checkpoint holds `layers.N....` (and the optimizer state numbered as
-    without pipelining), no stacked tensor; its HF export after 9 steps has the one-device export's
+    without pipelining), no stacked tensor; its HF export after 6 steps has the one-device export's
     tensors: the same names and shapes, equal values within float32 rounding."""
     import torch
     from safetensors.torch import load_file
@@ -145,7 +143,7 @@ def test_checkpoints_and_the_hf_export_use_the_per_layer_names(one_device, eight
     assert "optimizer.state.75.exp_avg" not in names
 
     def export(folder: Path) -> dict:
-        files = sorted((folder / "checkpoint" / "step-9-hf").glob("*.safetensors"))
+        files = sorted((folder / "checkpoint" / "step-6-hf").glob("*.safetensors"))
         return {k: v for f in files for k, v in load_file(f).items()}
 
     pp, one = export(out / "pp_saved"), export(one_device[0] / "one")
