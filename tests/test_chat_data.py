@@ -290,8 +290,8 @@ def same(a, b):
                          ids=["packing_shuffled", "unpacked", "worker"])
 def test_resume_continues_exactly_across_an_epoch(tok, extra):
     """python_docs_chat has 33 packed rows (72 unpacked) per epoch: 45 batches of 2 cross one."""
-    args = parse_args(["--training.dataset", "python_docs_chat", "--training.seq_len", "256",
-                       *extra])
+    args_list = ["--training.dataset", "python_docs_chat", "--training.seq_len", "256", *extra]
+    args = parse_args(args_list)
 
     def loader():
         return build_data_loader(args, tok, batch_size=2)
@@ -310,6 +310,15 @@ def test_resume_continues_exactly_across_an_epoch(tok, extra):
     rest = take(iter(resumed), 28)
     resumed.close()
     assert same(first + rest, full)
+    if extra[0] == "--training.shuffle_buffer" and len(extra) == 2:
+        # The packed state holds the conversations of the row being filled: not a state to
+        # continue one conversation per row from.
+        unpacked = build_data_loader(parse_args([*args_list, "--training.no-packing"]), tok, batch_size=2)
+        with pytest.raises(ConfigError, match=r"^dataset python_docs_chat: the checkpoint holds conversations "
+                                              r"read with \[training\] packing = true; resume with the same setting$"):
+            unpacked.load_state_dict(state)
+            next(iter(unpacked))
+        unpacked.close()
 
 
 # --------------------------------------------------------------------------------------------

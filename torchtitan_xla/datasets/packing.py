@@ -202,10 +202,13 @@ class ChatDataset(DocumentStream):
     in the tokenizer's chat format and yielded as rows of four int64 [seq_len] tensors: (inputs,
     labels, positions, document_ids). Labels are -100 except on the assistant's tokens.
 
-    packing: conversations fill each row greedily in stream order; one that does not fit starts
-    the next row, the current one is padded. Otherwise every conversation has a row of its own."""
+    A record gives one document or more (`_render`: a preference pair gives two), kept together:
+    packing: records fill each row greedily in stream order, at most `_max_documents` documents to
+    a row; one that does not fit starts the next row, the current one is padded. Otherwise every
+    document has a row of its own."""
 
     column = "messages"
+    records = "conversations"  # what the records are, in messages
 
     def __init__(self, conversations: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int,
                  *, packing: bool = True, **stream):
@@ -214,18 +217,30 @@ class ChatDataset(DocumentStream):
         self._tokenizer = tokenizer
         self._seq_len = seq_len
         self._packing = packing
+        self._max_documents = seq_len
         self._pad_id = chat.pad_id(tokenizer)
         self._warned = False
-        self._row: list[tuple[list[int], list[int]]] = []  # (inputs, labels) not yet emitted
+        # Documents (inputs, labels, ...) not yet emitted: of the row being filled; unpacked, the
+        # rest of a record whose first rows are out.
+        self._row: list[tuple] = []
+        self._pending: list[tuple] = []
 
     def __iter__(self):
+        while self._pending:  # resumed between the rows of one record
+            self._row = [self._pending.pop(0)]
+            yield self._emit()
         for text in self._stream():
-            example = self._example(text)
-            if self._filled() + len(example[0]) > self._seq_len:  # it starts the next row
-                yield self._emit(next_row=[example])
+            documents = self._render(text)
+            if not self._packing:
+                for k, document in enumerate(documents):
+                    self._row, self._pending = [document], documents[k + 1:]
+                    yield self._emit()  # the state at the yield holds the record's later rows
+                continue
+            if self._filled() + sum(len(d[0]) for d in documents) > self._seq_len:  # the next row's
+                yield self._emit(next_row=documents)
             else:
-                self._row.append(example)
-            if not self._packing or self._filled() == self._seq_len:
+                self._row += documents
+            if self._filled() == self._seq_len or len(self._row) == self._max_documents:
                 yield self._emit()
         if self._row:  # a finite stream's last, partly filled row
             yield self._emit()
@@ -233,8 +248,8 @@ class ChatDataset(DocumentStream):
     def _filled(self) -> int:
         return sum(len(document[0]) for document in self._row)
 
-    def _example(self, text: str) -> tuple[list[int], list[int]]:
-        """One conversation's (inputs, labels): the ids shifted by one, labels masked where the
+    def _render(self, text: str) -> list[tuple[list[int], list[int]]]:
+        """One conversation's [(inputs, labels)]: the ids shifted by one, labels masked where the
         next token is not trained, truncated to seq_len."""
         ids, trained = chat.render(json.loads(text), self._tokenizer)
         inputs = ids[:-1]
@@ -248,14 +263,14 @@ class ChatDataset(DocumentStream):
                     f"{len(inputs) - self._seq_len:,} tokens are dropped (logged once: longer "
                     f"conversations are all truncated to seq_len)")
             inputs, labels = inputs[:self._seq_len], labels[:self._seq_len]
-        return inputs, labels
+        return [(inputs, labels)]
 
     def _emit(self, next_row=()) -> tuple[torch.Tensor, ...]:
-        """The pending conversations as one row, padded, and `next_row` pending instead (set
-        before the row is yielded, so that the state at the yield is the state after it).
-        Positions restart at each conversation; padding is document 0 at position 0."""
+        """The pending documents as one row, padded, and `next_row` pending instead (set before
+        the row is yielded, so that the state at the yield is the state after it). Positions
+        restart at each document; padding is document 0 at position 0."""
         inputs, labels, positions, documents = [], [], [], []
-        for doc, (x, y) in enumerate(self._row, 1):
+        for doc, (x, y, *_) in enumerate(self._row, 1):
             inputs += x
             labels += y
             positions += range(len(x))
@@ -267,10 +282,22 @@ class ChatDataset(DocumentStream):
         return tuple(torch.tensor(c, dtype=torch.long) for c in columns)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"row": [[list(x), list(y)] for x, y in self._row]}
+        return {"row": _saved(self._row), "pending": _saved(self._pending)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._row = [(list(x), list(y)) for x, y in state["row"]]
+        self._row, self._pending = _restored(state.get("row", [])), _restored(state.get("pending", []))
+        if self._pending if self._packing else self._row:
+            raise ConfigError(f"dataset {self.name}: the checkpoint holds {self.records} read with "
+                              f"[training] packing = {str(not self._packing).lower()}; resume with the "
+                              f"same setting")
+
+
+def _saved(documents: list[tuple]) -> list[list]:
+    return [[list(d[0]), list(d[1]), *d[2:]] for d in documents]
+
+
+def _restored(documents: list[list]) -> list[tuple]:
+    return [(list(d[0]), list(d[1]), *d[2:]) for d in documents]
 
 
 class SyntheticDataset(IterableDataset):

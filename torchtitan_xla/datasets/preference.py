@@ -164,58 +164,32 @@ def document_slots(seq_len: int, packing: bool) -> int:
 
 class PreferenceDataset(ChatDataset):
     """This host's share of the pairs (the "pair" column: JSON [prompt, chosen, rejected,
-    reference]) as rows, unpacked or packed (module docstring). With `reference`, each row also
-    carries its documents' stored reference log-probabilities (a float32 [slots] column, the
-    batch's `reference_logps`), and a pair without them stops the run."""
+    reference]) as rows, unpacked or packed (module docstring): each pair is a record of two
+    documents for ChatDataset's rows. With `reference`, each row also carries its documents' stored
+    reference log-probabilities (a float32 [slots] column, the batch's `reference_logps`), and a
+    pair without them stops the run."""
 
     column = "pair"
+    records = "pairs"
 
     def __init__(self, pairs: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
                  packing: bool = False, reference: bool = False, **stream):
         super().__init__(pairs, tokenizer, seq_len, packing=packing, **stream)
         self._reference = reference
-        self._slots = document_slots(seq_len, packing)
-        self._pending: list[tuple] = []  # unpacked: the rejected row of a pair half out
+        self._slots = self._max_documents = document_slots(seq_len, packing)
 
-    def __iter__(self):
-        if self._packing:
-            yield from self._packed()
-            return
-        while self._pending:  # resumed between a pair's rows
-            self._row = [self._pending.pop(0)]
-            yield self._emit()
-        for text in self._stream():
-            chosen, rejected = self._pair(text)
-            self._row, self._pending = [chosen], [rejected]
-            row = self._emit()  # the state at the yield holds the rejected row
-            yield row
-            self._row, self._pending = [rejected], []
-            yield self._emit()
-
-    def _packed(self):
-        for text in self._stream():
-            pair = list(self._pair(text))
-            if self._filled() + len(pair[0][0]) + len(pair[1][0]) > self._seq_len:  # the next row's
-                yield self._emit(next_row=pair)
-            else:
-                self._row += pair
-            if self._filled() == self._seq_len or len(self._row) == self._slots:
-                yield self._emit()
-        if self._row:  # a finite stream's last, partly filled row
-            yield self._emit()
-
-    def _pair(self, text: str) -> tuple[tuple, tuple]:
+    def _render(self, text: str) -> list[tuple]:
         """(inputs, labels[, reference log-probability]) of the chosen and the rejected sequence."""
         prompt, chosen, rejected, reference = json.loads(text)
         whole = [completion_row(prompt, answer, self._tokenizer) for answer in (chosen, rejected)]
         limits = self._limits(len(whole[0][0]), len(whole[1][0]))
         rows = [self._fit(*row, limit) for row, limit in zip(whole, limits)]
         if not self._reference:
-            return rows[0], rows[1]
+            return rows
         if reference is None:
             raise ConfigError(f"dataset {self.name}: no {' or '.join(map(repr, REFERENCE_KEYS))}, which "
                               f"[preference] precomputed_reference = true reads in every pair")
-        return (*rows[0], reference[0]), (*rows[1], reference[1])
+        return [(*rows[0], reference[0]), (*rows[1], reference[1])]
 
     def _limits(self, chosen: int, rejected: int) -> tuple[int, int]:
         """The most tokens kept of each sequence: seq_len unpacked; packed, what lets the pair fit
@@ -227,13 +201,12 @@ class PreferenceDataset(ChatDataset):
         return kept, n - kept
 
     def _emit(self, next_row=()) -> tuple[torch.Tensor, ...]:
-        references = [document[2:] for document in self._row]
-        self._row = [document[:2] for document in self._row]
+        references = [document[2] for document in self._row] if self._reference else None
         columns = super()._emit(next_row)
-        if not self._reference:
+        if references is None:
             return columns
         slots = torch.zeros(self._slots, dtype=torch.float32)
-        slots[:len(references)] = torch.tensor(references, dtype=torch.float32).flatten()
+        slots[:len(references)] = torch.tensor(references, dtype=torch.float32)
         return (*columns, slots)
 
     def _fit(self, inputs: list[int], labels: list[int], prompt_len: int,
@@ -257,30 +230,15 @@ class PreferenceDataset(ChatDataset):
         super().check_documents(workers, where)
         for batch in self._source.iter(batch_size=1):
             try:
-                self._pair(batch[self.column][0])
+                self._render(batch[self.column][0])
             except ConfigError as e:
                 prompt = json.loads(batch[self.column][0])[0][-1]["content"]
                 raise ConfigError(f"{where}: the pair whose prompt ends {prompt[-40:]!r}: "
                                   f"{str(e).partition(': ')[2]}") from None
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"row": _saved(self._row), "pending": _saved(self._pending)}
-
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self._row, self._pending = _restored(state.get("row", [])), _restored(state["pending"])
+        super()._load_extra_state(state)
         if any((len(d) > 2) != self._reference for d in self._row + self._pending):
             raise ConfigError(f"dataset {self.name}: the checkpoint holds pairs read with "
                               f"[preference] precomputed_reference = {str(not self._reference).lower()}; "
                               f"resume with the same setting")
-        if self._pending if self._packing else self._row:
-            raise ConfigError(f"dataset {self.name}: the checkpoint holds pairs read with "
-                              f"[training] packing = {str(not self._packing).lower()}; resume with the "
-                              f"same setting")
-
-
-def _saved(documents: list[tuple]) -> list[list]:
-    return [[list(d[0]), list(d[1]), *d[2:]] for d in documents]
-
-
-def _restored(documents: list[list]) -> list[tuple]:
-    return [(list(d[0]), list(d[1]), *d[2:]) for d in documents]
