@@ -81,13 +81,16 @@ def document_sums(values: torch.Tensor, document_ids: torch.Tensor, slots: int) 
     return sums[:, 1:]
 
 
+def document_counts(batch: Batch, slots: int) -> torch.Tensor:
+    """[rows, slots]: each document's counted (labelled) tokens."""
+    return document_sums((batch.labels != IGNORE_INDEX).long(), batch.document_ids, slots)
+
+
 def document_logps(token_losses: torch.Tensor, batch: Batch, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability, counted tokens) of each document slot [rows, slots], from the loss
     function's per-token losses (any shape holding the rows in order; 0 where not counted)."""
-    labels = batch.labels
-    counted = (labels != IGNORE_INDEX).long()
-    return (document_sums(-token_losses.reshape(labels.shape), batch.document_ids, slots),
-            document_sums(counted, batch.document_ids, slots))
+    logps = document_sums(-token_losses.reshape(batch.labels.shape), batch.document_ids, slots)
+    return logps, document_counts(batch, slots)
 
 
 class LanguageModeling:
@@ -127,8 +130,7 @@ class Preference:
 
     def totals(self, batch: Batch) -> torch.Tensor:
         """[pairs, chosen completions' tokens] over the step: the losses' and ORPO's NLL's counts."""
-        chosen = document_sums((batch.labels != IGNORE_INDEX).long(), batch.document_ids,
-                               self.slots).reshape(-1, 2)[:, 0]
+        chosen = document_counts(batch, self.slots).reshape(-1, 2)[:, 0]
         return torch.stack([(chosen > 0).sum(), chosen.sum()]).clamp(min=1)
 
     def __call__(self, token_losses: torch.Tensor, batch: Batch, totals: torch.Tensor):
