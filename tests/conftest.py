@@ -15,6 +15,11 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One intra-op thread per process (torch's default is one per core, read at its import): the two test
+# workers share the cores, and a process running torch's CPU kernels beside a busy one spins waiting
+# for its threads (a one-process native job took 4x its CPU time: docs/performance.md). torchrun
+# gives each of several processes one thread for the same reason. XLA's own kernels ignore it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["XLA_DISABLE_FUNCTIONALIZATION"] = "1"  # as runtime.configure("replay") sets it, whichever test runs first
 os.environ["TORCHTITAN_XLA_CACHE"] = _CACHE
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "hf_datasets")

@@ -47,8 +47,8 @@ def one_device(tmp_path_factory):
     runs = {k: tiny_args(out, "--training.local_batch_size", "8", *v) for k, v in runs.items()}
     runs["saved"] = saved_args(out / "saved")  # (the dropless run's compiled step)
     runs["capacity"] = tiny_args(out / "capacity", *MIXTRAL, "--moe.capacity_factor", "0.5",
-                                 "--training.steps", "200", "--metrics.log_freq", "20",
-                                 "--lr_scheduler.warmup_steps", "20")
+                                 "--training.steps", "60", "--metrics.log_freq", "6",
+                                 "--lr_scheduler.warmup_steps", "6")
     results = train_many(runs, devices=1, model_overrides=TWO_BLOCKS)
     results["saved"]["folder"] = out / "saved"
     return results
@@ -326,13 +326,14 @@ def test_moe_resumes_bit_exactly(one_device, tmp_path):
 
 def test_capacity_mode_logs_its_drops_and_still_learns(one_device):
     """capacity_factor 0.5 keeps at most half of the top-2 choices: the log shows the drop rate
-    (router `dropped: x%`), and the loss falls on the embedded corpus within 200 steps."""
+    (router `dropped: x%`), and the loss falls on the embedded corpus within 60 steps (measured
+    8.197 to 6.166, 50-59% dropped)."""
     import re
 
     losses, log = one_device["capacity"]["losses"], "\n".join(one_device["capacity"]["log"])
     dropped = [float(x) for x in re.findall(r"dropped: ([0-9.]+)%", log)]
     assert len(dropped) == len(losses) and min(dropped) >= 40.0, dropped  # capacity: half the slots
-    assert losses[200] < 0.8 * losses[1], losses
+    assert losses[60] < 0.8 * losses[1], losses
 
 
 def test_moe_checkpoint_reshards_across_expert_parallel_meshes(eight_devices):
