@@ -2,12 +2,13 @@
 and its Adam state carry exactly the sharding asked for, activation checkpointing and scan change
 no numbers (but do recompute), and impossible degrees fail before anything compiles."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import REPO, tiny_args, train_many
+from helpers import REPO, _env, tiny_args, train_many
 
 from torchtitan_xla.config import ConfigError, parse_args
 from torchtitan_xla.parallelisms import ParallelDims
@@ -166,6 +167,52 @@ def test_no_configuration_compiles_more_than_init_and_one_step(one_device, eight
     # finished run had none; this also pins the number of graphs per run.
     for name, r in {**one_device, **eight_devices}.items():
         assert r["compiles"] <= 2, (name, r["compiles"])
+
+
+_TO_HOST = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import numpy as np, torch, torch_xla
+import torch_xla.debug.metrics as met, torch_xla.distributed.spmd as xs, torch_xla.runtime as xr
+from torchtitan_xla.runtime.xla.device import to_host
+xr.use_spmd()
+mesh = xs.Mesh(np.arange(8), (2, 2, 2), ("a", "b", "c"))
+# Split evenly, padded (255 rows over 4, 129 columns over 2), partly replicated, over one axis
+# of three, bfloat16, not sharded, a scalar.
+cases = [((256, 128), ("b", None)), ((255, 129), (("a", "b"), "c")), ((9, 10, 3), ("c", None, ("a", "b"))),
+         ((7,), ("a",)), ((64, 32), None), ((), None)]
+host, device = [], []
+for i, (shape, spec) in enumerate(cases):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(i))
+    t = t.bfloat16() if len(shape) == 1 else t
+    d = t.to(torch_xla.device())
+    if spec:
+        xs.mark_sharding(d, mesh, spec)
+    host.append(t * 2)
+    device.append(d * 2)  # pending: to_host runs it first
+def compiles():
+    return (met.metric_data("CompileTime") or [0])[0]
+before = compiles()
+first = to_host(device)
+between = compiles()
+again = to_host(device)
+same = [torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(first, host)]
+print("RESULT " + json.dumps([same, between - before, compiles() - between,
+                              [bool(torch.equal(a, b)) for a, b in zip(again, host)]]))
+"""
+
+
+def test_sharded_tensors_come_to_the_host_whole_without_a_compile():
+    """runtime.to_host on 8 devices: each tensor bit-exact whatever its sharding (padded shards,
+    partial replication, bfloat16), its pending values run in one graph and the transfer compiling
+    nothing (torch_xla replicating a sharded tensor to fetch it whole compiled a program per
+    tensor, at every call: 75 for one HuggingFace export of the debug model)."""
+    p = subprocess.run([sys.executable, "-c", _TO_HOST.format(repo=str(REPO))], capture_output=True, text=True,
+                       env=_env(8, None), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    same, first, again, equal_again = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert same == [True] * 6 and equal_again == [True] * 6
+    assert (first, again) == (1, 0)  # the pending graph; nothing for the transfer, nothing on the repeat
 
 
 # ---- activation checkpointing really recomputes ------------------------------------------------

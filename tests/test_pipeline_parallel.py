@@ -130,12 +130,15 @@ def test_resume_is_bit_exact_and_checkpoints_move_between_pp_and_fsdp(one_device
 def test_checkpoints_and_the_hf_export_use_the_per_layer_names(one_device, eight_devices):
     """The pipelined run's checkpoint holds `layers.N....` (and the optimizer state numbered as
     without pipelining), no stacked tensor; its HF export after 6 steps has the one-device export's
-    tensors: the same names and shapes, equal values within float32 rounding."""
+    tensors: the same names and shapes, equal values within float32 rounding. Saving and exporting
+    compile one graph each for the per-layer views (the run's step is pp2_fsdp4's, compiled before
+    it); fetched one tensor at a time, the export compiled 106 programs."""
     import torch
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
     out = eight_devices[0]
+    assert eight_devices[1]["pp_saved"]["compiles"] <= 2
     names = set(FileSystemReader(str(out / "pp_saved" / "checkpoint" / "step-6")).read_metadata().state_dict_metadata)
     assert "model.layers.7.attention.wq.weight" in names and not [n for n in names if "stages" in n]
     # 1 embedding + 8 blocks x 9 tensors + norm + output, numbered in that order.

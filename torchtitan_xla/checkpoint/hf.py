@@ -5,8 +5,8 @@ weights as initial weights.
 
 Names and the RoPE q/k layout are converted by models/llama/state_dict_adapter.py, config.json is
 read by models/llama/hf_args.py (without torch: config validation reads it); this module does
-the file I/O and moves whole tensors between host memory and the (sharded) device parameters, one
-parameter at a time so only one full tensor is ever on the host.
+the file I/O and moves whole tensors between host memory and the (sharded) device parameters:
+loaded one parameter at a time, gathered for an export GATHER_BYTES at a time.
 """
 
 from __future__ import annotations
@@ -102,17 +102,32 @@ def write_hf(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path
 # ---- between host tensors and the model --------------------------------------------------------
 
 
+# Tensors brought to the host together: one transfer, and on XLA one graph for those that are views
+# (a pipeline's per-layer slices of its stacked weights: one compile each, 104 for the 8-block debug
+# model, when taken one at a time), with at most this many bytes of them on the devices at once.
+GATHER_BYTES = 1 << 28
+
+
 def gather_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None, *,
                       keep: bool = True) -> dict[str, torch.Tensor]:
-    """Full host copies of the model's parameters (each one gathered from its shards, one at a
-    time). With a process per device every process takes part in each gather; those with `keep`
-    false drop the copies (only the writer needs them)."""
-    out = {}
+    """Full host copies of the model's parameters, each one gathered from its shards, GATHER_BYTES
+    of them at a time. With a process per device every process takes part in each gather; those
+    with `keep` false drop the copies (only the writer needs them)."""
+    out, group, size = {}, {}, 0
+
+    def take() -> None:
+        if keep and group:
+            for name, t in zip(group, runtime.to_host(list(group.values()))):
+                out[name] = t.to(dtype) if dtype is not None else t
+        group.clear()
+
     for name, t in model.state_dict().items():
-        (t,) = runtime.whole([t.detach()])
-        if keep:
-            t = t.cpu()
-            out[name] = t.to(dtype) if dtype is not None else t
+        (group[name],) = runtime.whole([t.detach()])
+        size += t.numel() * t.element_size()
+        if size >= GATHER_BYTES:
+            take()
+            size = 0
+    take()
     return out
 
 

@@ -112,10 +112,35 @@ def to_device(tensors: list[torch.Tensor], dev: torch.device, sharding=None) -> 
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Device tensors onto the host in one transfer (running what they wait for first)."""
+    """Whole values of device tensors on the host, in one transfer (running what they wait for
+    first, in one graph). On one host a sharded tensor is put together from its devices' shards:
+    fetched whole, torch_xla compiles a program that replicates it, at every call (a HuggingFace
+    export of the debug model compiled 75)."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
 
-    return torch_xla._XLAC._xla_get_cpu_tensors(list(tensors))
+    tensors = list(tensors)
+    xm.unlazy(tensors)
+    one_host = process_count() == 1
+    sharded = [one_host and torch_xla._XLAC._get_xla_op_sharding(t) is not None for t in tensors]
+    plain = [t for t, s in zip(tensors, sharded) if not s]
+    plain = iter(torch_xla._XLAC._xla_get_cpu_tensors(plain) if plain else [])
+    picked = [t for t, s in zip(tensors, sharded) if s]
+    pieces = iter(zip(torch_xla._XLAC._get_local_shards(picked),
+                      torch_xla._XLAC._get_local_shard_replica_and_indices(picked)) if picked else [])
+    return [_assembled(t.shape, *next(pieces)) if s else next(plain) for t, s in zip(tensors, sharded)]
+
+
+def _assembled(shape: torch.Size, shards: list, places: list) -> torch.Tensor:
+    """The whole tensor from host copies of its shards ((data, device) each) and their places
+    ((replica, index slices into the whole, or Ellipsis for a whole replica)); a shard may be
+    padded at its ends."""
+    whole = torch.empty(shape, dtype=shards[0][0].dtype)
+    for (shard, _), (_, where) in zip(shards, places):
+        if where is Ellipsis:
+            return shard.clone()
+        whole[tuple(where)] = shard[tuple(slice(0, w.stop - w.start) for w in where)]
+    return whole
 
 
 def set_seed(seed: int) -> None:
