@@ -28,6 +28,12 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     `model_overrides` replace fields of the flavor's ModelArgs (benchmarks and tests use it to vary
     depth or size without adding flavors)."""
+    from torchtitan_xla.utils import GarbageCollection
+
+    # First: Python's automatic collector re-scans every object that torch's import and the model's
+    # build create (a quarter of the import's CPU time); the loop collects on its own schedule.
+    gc_handler = GarbageCollection(job_config.training.gc_freq)
+
     from torchtitan_xla import runtime
 
     # Process-wide switches (XLA: functionalization, its CPU flags) before the first tensor.
@@ -72,7 +78,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.reference import build_reference, reference_source
     from torchtitan_xla.routing import Routers
     from torchtitan_xla.storage import check_writable, join, makedirs, write_text
-    from torchtitan_xla.utils import GarbageCollection, set_determinism
+    from torchtitan_xla.utils import set_determinism
     from torchtitan_xla.validate import build_validator, validates_pairs, validation_config
 
     init_logger()
@@ -296,7 +302,6 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         job_config.compile.step, train_step,
         [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), *nonfinite.state])
 
-    gc_handler = GarbageCollection(training.gc_freq)
     data_iterator = iter(data_loader)
     first_step = train_state.step + 1
     compile_guard = runtime.CompileGuard(first_step, job_config.debug.on_recompile)

@@ -147,6 +147,8 @@ def train_losses(args: list[str], *, devices: int = 1, model_overrides: dict | N
 
 
 _MULTI_DRIVER = """
+import gc
+gc.disable()  # before torch's import, as train.main does (its collector runs on the loop's schedule)
 import json, logging, sys, warnings
 from pathlib import Path
 sys.path.insert(0, {repo!r})

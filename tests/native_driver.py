@@ -8,6 +8,7 @@ parameter, its DTensor placements, the spec `parallelisms` gave it, and its glob
 shapes; every rank r writes to <out>.rank<r> a fingerprint of each batch its data loader handed
 to training."""
 
+import gc
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+gc.disable()  # before torch's import, as train.main does (its collector runs on the loop's schedule)
 
 import torchtitan_xla.parallelisms as parallelisms  # noqa: E402
 import train  # noqa: E402
