@@ -55,6 +55,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     from torchtitan_xla.errors import ConfigError
     from torchtitan_xla.eval import evaluate, parse_task, write_results
     from torchtitan_xla.float8 import convert_to_float8_training
+    from torchtitan_xla.grpo import build_rollouts
     from torchtitan_xla.launch import host_identity, init_host_group
     from torchtitan_xla.logging import init_logger, logger
     from torchtitan_xla.lora import apply_lora, frozen_matmul_params, init_adapters
@@ -134,7 +135,10 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # whole sequences, ints, and cut their part of the activations: no gather of key positions.)
     # Load-balanced context parallelism reorders each sequence on the host first.
     input_sharding = runtime.input_sharding(mesh, (BATCH_AXES, None), hosts=data_count)
-    data_loader = build_data_loader(
+    # grpo's batches are its rollouts of the policy (grpo/): their prompts and rewards are read and
+    # checked now, and they sample once the model is built.
+    build_batches = build_rollouts if training.objective == "grpo" else build_data_loader
+    data_loader = build_batches(
         job_config, tokenizer, batch_size=global_batch // data_count, host_rank=data_rank,
         host_count=data_count, device=device, input_sharding=input_sharding,
         batch_transform=balance_batches(parallel_dims, training.seq_len))
@@ -202,10 +206,14 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
     # The objective (objectives.py) turns the loss function's per-token losses into the step's
     # loss; preference objectives read plain log-probabilities (no label smoothing or z-loss).
-    objective = build_objective(job_config, accumulation_steps=accumulation_steps)
+    objective = build_objective(job_config, accumulation_steps=accumulation_steps,
+                                dp_degree=parallel_dims.dp_degree)
     loss_fn = build_loss_fn(job_config, dp_degree=parallel_dims.dp_degree, autocast_dtype=autocast_dtype,
                             plain=training.objective != "lm")
-    # dpo and ipo: each batch's log-probabilities under the frozen reference, in a graph of its own.
+    if training.objective == "grpo":  # its batches: the policy's own completions, scored (grpo/)
+        data_loader.sample_from(model, loss_fn)
+    # dpo, ipo, grpo with a KL penalty: each batch's log-probabilities under the frozen reference,
+    # in a graph of its own.
     reference = build_reference(job_config, model, loss_fn, tokenizer=tokenizer,
                                 on=(device, mesh, parallel_dims)) if objective.needs_reference else None
 
@@ -224,7 +232,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             objective=build_objective(job_config, accumulation_steps=1)
             if pairs else None,
             reference=reference if pairs else None,
-            make_loader=lambda: build_data_loader(
+            make_loader=lambda: build_batches(
                 val_config, tokenizer,
                 batch_size=val_batch // data_count,
                 host_rank=data_rank, host_count=data_count, infinite=False, drop_last=True,
@@ -341,7 +349,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                     history.append(metric_logger.log(
                         step, loss, grad_norm, lr, max_loss, tuple(router) or None,
                         nonfinite_steps=nonfinite_steps,
-                        objective=dict(zip(objective.metric_names, named)) or None))
+                        objective=dict(zip(objective.metric_names, named)) | data_loader.metrics() or None))
                 nonfinite.check(step, in_a_row)  # too many in a row: one line, before any save
             if validating:
                 # Its graph compiles at its first two calls, and never again (the guard checks).

@@ -230,6 +230,7 @@ for name, args in json.loads(sys.argv[1]).items():
                                      if s.validation_loss is not None}},
                          validation_metrics={{s.step: s.validation_metrics for s in history
                                              if s.validation_metrics is not None}},
+                         objective={{s.step: s.objective for s in history if s.objective is not None}},
                          compiles=compiles, params=params, log=lines.lines,
                          expert_bias={{n: b.cpu().tolist() for n, b in model.named_buffers()
                                       if n.endswith("expert_bias")}})
@@ -274,6 +275,7 @@ def train_many(runs: dict[str, list[str]], *, devices: int, model_overrides: dic
         r["losses"] = {int(k): v for k, v in r["losses"].items()}
         r["validation"] = {int(k): v for k, v in r["validation"].items()}
         r["validation_metrics"] = {int(k): v for k, v in r["validation_metrics"].items()}
+        r["objective"] = {int(k): v for k, v in r["objective"].items()}
         r["router"] = {int(k): v for k, v in r["router"].items()}
     return results
 

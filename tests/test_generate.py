@@ -123,6 +123,28 @@ def test_seeded_sampling_repeats_on_xla(hf_models, xla_device):
     assert other != first
 
 
+def test_a_finished_cache_is_freed_without_the_cyclic_collector():
+    """Training loops run with Python's collector off (train.py): a KV cache whose layers' views
+    referred back to it would hold a batch's keys and values (device memory) until the next
+    collection, one more cache at every rollout. Dropping the cache frees its buffers at once."""
+    import gc
+    import weakref
+
+    from torchtitan_xla.generate import KVCache
+
+    cache = KVCache(2, batch=1, size=4, device="cpu")
+    cache.write(torch.arange(2), torch.arange(2)[None], torch.ones(1, 2, dtype=torch.long))
+    keys, values = cache[1].update(torch.ones(1, 2, 3), torch.ones(1, 2, 3))
+    assert keys.shape == (1, 4, 3) and keys[0, :2].eq(1).all() and keys[0, 2:].eq(0).all()
+    alive = weakref.ref(keys)
+    gc.disable()
+    try:
+        del cache, keys, values
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_sampling_keeps_the_top_p_nucleus_and_the_top_k():
     """Over many draws only the tokens of the nucleus appear, in proportion to their renormalised
     probabilities (0.5 and 0.3 of 0.8: 0.625 and 0.375, within 0.03 over 4000 draws)."""

@@ -7,7 +7,10 @@ carries, not how the loop runs:
   documents come in pairs (preference data): the model's positions and attention mask follow them;
 - `reference_logps` [rows, slots]: dpo and ipo, each document's summed log-probability under the
   reference model (reference/; document d of a row in slot d - 1), computed by its own graph or
-  stored with the pairs, read by the step as data.
+  stored with the pairs, read by the step as data; grpo: [rows, seq], each token's;
+- `advantages` [rows], `old_logps` [rows, seq]: grpo's rollouts (grpo/): each completion's
+  advantage, and its tokens' log-probabilities under the policy that sampled them (when a rollout
+  gets more than one update).
 
 A Batch is a pytree (torch.utils._pytree), so a compiled step takes one as its argument: its
 tensors are the graph's inputs, its field names part of the traced program.
@@ -28,11 +31,14 @@ class Batch:
     positions: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
     reference_logps: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
 
     @classmethod
     def of(cls, loaded: tuple | list) -> Batch:
-        """A data loader's batch: (inputs, labels[, positions, document_ids[, reference_logps]])."""
-        return cls(*loaded)
+        """A data loader's batch: (inputs, labels[, positions, document_ids[, reference_logps]]), or
+        a Batch already (grpo's rollouts)."""
+        return loaded if isinstance(loaded, Batch) else cls(*loaded)
 
     @property
     def packed(self) -> bool:

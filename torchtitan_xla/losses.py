@@ -161,9 +161,12 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
     losses [dp ranks, tokens per rank] (with context parallelism [dp ranks, rows per rank, seq]) in
     float32, 0 where the label is IGNORE_INDEX. The batch's rows are split into `dp_degree` contiguous blocks,
     one per data-parallel rank (the batch sharding), so chunks never cross a rank's rows.
-    `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity)."""
+    `plain`: without label smoothing and z-loss (validation's loss, whose exp is the perplexity).
+    grpo: the logits divided by its sampling temperature (the policy's log-probabilities are those
+    the rollouts sampled from, as TRL's)."""
     cfg = job_config.loss
     smoothing, z = (0.0, 0.0) if plain else (cfg.label_smoothing, cfg.z_loss_weight)
+    temperature = job_config.grpo.temperature if job_config.training.objective == "grpo" else 1.0
     split = job_config.parallelism.context_parallel_degree > 1
     autocast = dict(device_type=runtime.autocast_device_type(), dtype=autocast_dtype or torch.bfloat16,
                     enabled=autocast_dtype is not None)
@@ -171,6 +174,8 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
     def full(model, inputs, labels, *packing):
         with torch.autocast(**autocast):
             logits = model(inputs, *packing)
+        if temperature != 1.0:
+            logits = logits / temperature
         losses = token_losses(logits, labels, label_smoothing=smoothing, z_loss=z, split_sequence=split)
         # A split sequence stays [dp ranks, rows, seq] (merging rows and sequence would gather it).
         return losses.view(dp_degree, -1, losses.shape[-1]) if split else losses.view(dp_degree, -1)
@@ -178,6 +183,8 @@ def build_loss_fn(job_config: JobConfig, *, dp_degree: int, autocast_dtype: torc
     def chunked(model, inputs, labels, *packing):
         with torch.autocast(**autocast):
             h = model.hidden_states(inputs, *packing)
+        if temperature != 1.0:  # W h / t = W (h / t)
+            h = h / temperature
 
         def losses(h, weight, labels, ranks=dp_degree):
             return chunked_token_losses(h.view(ranks, -1, h.shape[-1]), weight, labels.view(ranks, -1),

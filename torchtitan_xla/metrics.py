@@ -215,6 +215,13 @@ class MetricLogger:
             return
         c = self.colors
         scalars = {"loss_metrics/validation_loss": result.loss, "time_metrics/validation(s)": result.seconds}
+        if "reward" in result.metrics:  # grpo: rewards of completions of held-out prompts, no loss
+            scalars = {"time_metrics/validation(s)": result.seconds,
+                       **{f"validation/{name}": value for name, value in result.metrics.items()}}
+            logger.info(f"{c.cyan}validation: step {step:>5}  {c.green}reward: {result.metrics['reward']:.3f}"
+                        f"{c.reset}  ({result.batches} prompts, {result.seconds:.1f}s)")
+            self._emit(scalars, step)
+            return
         if result.metrics:  # a preference objective's loss: no perplexity
             shown = (f"accuracy: {result.metrics['rewards/accuracies']:.2f}  "
                      f"margin: {result.metrics['rewards/margins']:.4f}")
@@ -242,7 +249,9 @@ class MetricLogger:
             aux, z, dropped, spread = s.router
             loss += (f"  router aux: {aux:.4f} z: {z:.3f} dropped: {100 * dropped:.1f}% "
                      f"load max/min: {spread:.2f}")
-        if s.objective is not None:
+        if s.objective is not None and "reward" in s.objective:  # grpo
+            loss += f"  reward: {s.objective['reward']:.3f}  kl: {s.objective['kl']:.4f}"
+        elif s.objective is not None:
             loss += (f"  accuracy: {s.objective['rewards/accuracies']:.2f}  "
                      f"margin: {s.objective['rewards/margins']:.4f}")
         if s.nonfinite_steps:

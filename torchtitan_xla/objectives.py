@@ -18,6 +18,7 @@ under `metric_names`.
   batch: packed rows hold different numbers). dpo and ipo also take the reference model's
   per-document log-probabilities (reference/, or stored with the pairs), the batch's
   `reference_logps`.
+- `grpo`: online RL on rollouts of the policy (grpo/objective.py).
 """
 
 from __future__ import annotations
@@ -151,19 +152,29 @@ class Preference:
         return loss, metrics
 
 
+def runs_reference(job_config: JobConfig) -> bool:
+    """Whether the objective runs a reference model: dpo and ipo (unless the pairs carry its
+    log-probabilities, [preference] precomputed_reference), grpo with a KL penalty ([grpo] beta > 0)."""
+    kind = job_config.training.objective
+    if kind == "grpo":
+        return job_config.grpo.beta > 0
+    return kind in WITH_REFERENCE and not job_config.preference.precomputed_reference
+
+
 def copies_reference(job_config: JobConfig) -> bool:
-    """Whether the objective keeps a frozen copy of the weights (reference/): dpo and ipo, unless
-    LoRA's base model (the adapters switched off) is the reference or the pairs carry the
-    reference's log-probabilities ([preference] precomputed_reference)."""
-    pref = job_config.preference
-    return (job_config.training.objective in WITH_REFERENCE and not pref.precomputed_reference
-            and bool(pref.reference or not job_config.lora.rank))
+    """Whether the objective keeps a frozen copy of the weights (reference/): where it runs a
+    reference, unless LoRA's base model (the adapters switched off) is the reference."""
+    return runs_reference(job_config) and bool(job_config.preference.reference or not job_config.lora.rank)
 
 
-def build_objective(job_config: JobConfig, *, accumulation_steps: int):
+def build_objective(job_config: JobConfig, *, accumulation_steps: int, dp_degree: int = 1):
     kind = job_config.training.objective
     if kind == "lm":
         return LanguageModeling(accumulation_steps)
+    if kind == "grpo":
+        from torchtitan_xla.grpo.objective import GRPO
+
+        return GRPO(job_config, accumulation_steps=accumulation_steps, dp_degree=dp_degree)
     from torchtitan_xla.datasets.preference import document_slots
 
     t = job_config.training

@@ -2,7 +2,7 @@
 `freq` steps, as one compiled evaluation graph (forward and loss, no gradients, no optimizer).
 With a preference objective on held-out pairs, that objective's loss and TRL's rewards/* metrics
 instead (eval_rewards/accuracies in TRL), the reference's log-probabilities scored by its own graph
-(or stored with the pairs).
+(or stored with the pairs). With grpo, the mean reward of completions of held-out prompts.
 
 Every validation reads the same batches from the start of the split, so the curve compares like
 with like. It reads the model's parameters and writes nothing: a run with validation has the
@@ -119,6 +119,31 @@ class Validator:
                                 metrics=dict(zip(self.metric_names, means[1:])))
 
 
+class RewardValidator:
+    """grpo: the mean reward of the policy's completions of the held-out prompts (TRL's
+    eval_reward), each function's and the completions' mean length, every `freq` steps; sampled
+    with the same seed each time, so that the curve compares like with like."""
+
+    def __init__(self, *, freq: int, rollouts, model: torch.nn.Module):
+        self.freq, self.rollouts, self.runs = freq, rollouts, 0
+        rollouts.sample_from(model)
+
+    def due(self, step: int) -> bool:
+        return step % self.freq == 0
+
+    @property
+    def warming_up(self) -> bool:
+        """Its generation graphs (of its own batch size) compile at its first run."""
+        return self.runs == 0
+
+    def run(self) -> ValidationResult:
+        start = time.perf_counter()
+        figures = self.rollouts.evaluate()
+        self.runs += 1
+        return ValidationResult(loss=math.nan, tokens=0, batches=len(self.rollouts.records),
+                                seconds=time.perf_counter() - start, metrics=figures)
+
+
 def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: LossFn,
                     make_loader: Callable, host_count: int = 1, objective=None,
                     reference: Callable | None = None) -> Validator:
@@ -127,6 +152,8 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
     objective (objectives.py) built for one validation batch's pairs, scoring held-out pairs;
     `reference` its reference's scoring graph (reference/) for dpo and ipo, unless stored."""
     v = job_config.validation
+    if job_config.training.objective == "grpo":
+        return RewardValidator(freq=v.freq, rollouts=make_loader(), model=model)
     if v.steps == -1 and host_count > 1:
         # Hosts would reach the end of their shares at different batches, one of them alone in
         # the eval graph's collectives.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from torchtitan_xla.config.job_config import JobConfig
+from torchtitan_xla.config.objective_checks import check_objective
 from torchtitan_xla.errors import ConfigError
 
 
@@ -71,45 +72,11 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"{sources.describe('profiling', 'profiler_active')} = {prof.profiler_active}: "
             f"must be <= profiling.profile_freq ({prof.profile_freq}), so that one trace ends "
             f"before the next starts")
-    _check_objective(cfg, sources)
+    check_objective(cfg, sources)
     args = _model_args(cfg, sources)
     _check_moe(cfg, args, sources)
     _check_attention(cfg, args, sources)
     _check_runtime(cfg, sources)
-
-
-def _check_objective(cfg: JobConfig, sources) -> None:
-    """Preference objectives train on pairs of rows of a preference dataset, and only there."""
-    from torchtitan_xla.config.job_config import PREFERENCE_DATASETS
-
-    t = cfg.training
-    objective, dataset = sources.describe("training", "objective"), sources.describe("training", "dataset")
-    pairs = t.dataset in PREFERENCE_DATASETS
-    v = cfg.validation
-    if v.enable and v.dataset in PREFERENCE_DATASETS and not pairs:
-        raise ConfigError(f"{sources.describe('validation', 'dataset')} = {v.dataset!r} with "
-                          f"{objective} = {t.objective!r}: held-out preference pairs are scored by "
-                          f"the preference objective the run trains with (dpo, ipo, simpo or orpo)")
-    if (t.objective == "lm") == pairs:
-        raise ConfigError(f"{objective} = {t.objective!r} with {dataset} = {t.dataset!r}: "
-                          + ("preference pairs need a preference objective (dpo, ipo, simpo or orpo)"
-                             if pairs else f"{t.objective} trains on preference pairs (dataset "
-                             f"preference or python_docs_preference)"))
-    if not pairs:
-        return
-    if t.local_batch_size % 2 and not t.packing:
-        raise ConfigError(f"{sources.describe('training', 'local_batch_size')} = {t.local_batch_size}: "
-                          f"{t.objective} needs an even number of rows (with packing = false each "
-                          f"pair is two rows)")
-    pref = cfg.preference
-    stored = f"{sources.describe('preference', 'precomputed_reference')} = true"
-    if pref.precomputed_reference and t.objective not in ("dpo", "ipo"):
-        raise ConfigError(f"{stored} with {objective} = {t.objective!r}: only dpo and ipo compare with "
-                          f"a reference model")
-    if pref.precomputed_reference and pref.reference:
-        raise ConfigError(f"{stored} with {sources.describe('preference', 'reference')} = "
-                          f"{pref.reference!r}: the pairs' stored log-probabilities replace the "
-                          f"reference model; set one of them")
 
 
 def _model_args(cfg: JobConfig, sources):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torchtitan_xla.config.option import opt
-from torchtitan_xla.config.post_sections import Generate, Preference
+from torchtitan_xla.config.post_sections import Generate, Grpo, Preference
 from torchtitan_xla.config.run_sections import (
     ActivationCheckpoint,
     Checkpoint,
@@ -26,6 +26,8 @@ from torchtitan_xla.config.run_sections import (
 # The datasets of preference pairs (datasets/preference.py), the only ones the preference
 # objectives train on (config/checks.py).
 PREFERENCE_DATASETS = ("preference", "python_docs_preference")
+# The prompt sets of online RL (grpo/data.py), with answers for the rewards.
+PROMPT_DATASETS = ("prompts", "larger_numbers")
 
 
 @dataclass
@@ -103,7 +105,8 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: Literal["python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
-                     "python_docs_chat", "preference", "python_docs_preference"] = opt(
+                     "python_docs_chat", "preference", "python_docs_preference", "prompts",
+                     "larger_numbers"] = opt(
         "python_docs",
         "Dataset (docs/datasets.md): python_docs is embedded and works offline; c4 streams "
         "allenai/c4 (en) from the Hub, or reads a local copy at dataset_path; json / parquet / "
@@ -112,7 +115,8 @@ class Training:
         "python_docs_chat is an embedded question/answer set made from the Python docs. "
         "Preference pairs (docs/posttrain.md): preference reads JSON-lines {prompt, chosen, "
         "rejected}, or a save_to_disk folder of them, at dataset_path; python_docs_preference is "
-        "embedded.")
+        "embedded. Prompts for grpo: prompts reads JSON-lines {prompt or messages, answer, ...} "
+        "(or a save_to_disk folder); larger_numbers is embedded (which of two numbers is larger).")
     dataset_path: str = opt(
         "", "File, folder or glob of the dataset (c4: the folder holding en/), local or a gs:// or "
         "s3:// URL; empty: the registry default.")
@@ -145,9 +149,10 @@ class Training:
         "each sequence, with attention that does not cross them and positions that restart at "
         "each; false: one conversation (or one answer of a pair) per sequence, padded. "
         "(Pre-training text is always one packed stream.)")
-    objective: Literal["lm", "dpo", "ipo", "simpo", "orpo"] = opt(
+    objective: Literal["lm", "dpo", "ipo", "simpo", "orpo", "grpo"] = opt(
         "lm", "The loss (docs/posttrain.md): lm is next-token cross-entropy (pre-training, SFT); "
-        "dpo, ipo, simpo and orpo are preference objectives on pairs of a preference dataset.")
+        "dpo, ipo, simpo and orpo are preference objectives on pairs of a preference dataset; "
+        "grpo is online RL on the policy's own completions of a prompt dataset ([grpo]).")
     mixed_precision_param: Literal["float32", "bfloat16"] = opt(
         "bfloat16", "Compute dtype (autocast); parameters and optimizer state stay float32.")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps.", gt=0)
@@ -220,7 +225,8 @@ class Validation:
         10, "Batches per validation (each of local_batch_size x data-parallel degree sequences); "
         "-1: the whole split (its last partial batch left out), one host only.", ge=-1)
     dataset: Literal["", "python_docs", "c4", "json", "parquet", "text", "hf", "synthetic", "chat",
-                     "python_docs_chat", "preference", "python_docs_preference"] = opt(
+                     "python_docs_chat", "preference", "python_docs_preference", "prompts",
+                     "larger_numbers"] = opt(
         "", "Dataset to validate on; empty: training.dataset. Preference pairs: the preference "
         "objective's loss and rewards (docs/posttrain.md).")
     dataset_path: str = opt(
@@ -330,6 +336,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     loss: Loss = field(default_factory=Loss)
     preference: Preference = field(default_factory=Preference)
+    grpo: Grpo = field(default_factory=Grpo)
     moe: MoE = field(default_factory=MoE)
     lora: LoRA = field(default_factory=LoRA)
     validation: Validation = field(default_factory=Validation)

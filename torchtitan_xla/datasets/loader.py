@@ -126,6 +126,10 @@ class DataLoader:
         self._thread = None
         self._finished = True
 
+    def metrics(self) -> dict[str, float]:
+        """What the source reports besides its batches (grpo's rollouts: rewards, lengths): nothing."""
+        return {}
+
     # -- checkpointing -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -40,8 +40,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class LayerCache:
-    def __init__(self, cache: KVCache):
-        self._cache, self.buffers = cache, None
+    """Layer `layer`'s view of a KVCache. Made at each `cache[i]`; the cache holds no reference to
+    it, so a finished cache is freed at once, not at the next cyclic collection (its buffers are
+    the device memory of a whole batch's keys and values)."""
+
+    def __init__(self, cache: KVCache, layer: int):
+        self._cache, self._layer = cache, layer
 
     @property
     def mask(self) -> torch.Tensor:
@@ -50,11 +54,11 @@ class LayerCache:
     def update(self, *new: torch.Tensor) -> list[torch.Tensor]:
         """Store `new` [batch, tokens, ...] at this call's slots; every slot's values, [batch, size, ...]."""
         cache = self._cache
-        if self.buffers is None:
-            self.buffers = [_zeros_laid_out_as(t, cache.batch, cache.size) for t in new]
-        for buffer, t in zip(self.buffers, new):
+        if cache.buffers[self._layer] is None:
+            cache.buffers[self._layer] = [_zeros_laid_out_as(t, cache.batch, cache.size) for t in new]
+        for buffer, t in zip(cache.buffers[self._layer], new):
             _local(buffer).index_copy_(1, cache.slots, _local(t).to(buffer.dtype))
-        return self.buffers
+        return cache.buffers[self._layer]
 
 
 class KVCache:
@@ -65,11 +69,11 @@ class KVCache:
         self.batch, self.size = batch, size
         self.key_positions = torch.full((batch, size), UNWRITTEN, dtype=torch.long, device=device)
         self.key_documents = torch.zeros((batch, size), dtype=torch.long, device=device)
-        self.layers = [LayerCache(self) for _ in range(n_layers)]
+        self.buffers: list[list[torch.Tensor] | None] = [None] * n_layers
         self.slots = self.mask = None
 
     def __getitem__(self, layer: int) -> LayerCache:
-        return self.layers[layer]
+        return LayerCache(self, layer)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, document_ids: torch.Tensor) -> None:
         """The next call's tokens go to `slots` [tokens] of every row, at `positions` [batch, tokens]

@@ -26,6 +26,7 @@ from torchtitan_xla.generate.sampling import Sampling, next_tokens
 class Completion:
     tokens: list[int]  # generated, without the stop that ended them (EOS; a stop string is cut on text)
     finish: str  # "eos", "stop" or "length"
+    eos: int | None = None  # the EOS (or end-of-turn) id that ended it
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Generator:
     def _completion(self, tokens: list[int], stop) -> Completion:
         for i, t in enumerate(tokens):
             if t in self.eos_ids:
-                return Completion(tokens[:i], "eos")
+                return Completion(tokens[:i], "eos", t)
         if stop and self.decode_text is not None and any(s in self.decode_text(tokens) for s in stop):
             return Completion(tokens, "stop")
         return Completion(tokens, "length")

@@ -1,6 +1,7 @@
-"""The reference model of the dpo and ipo objectives (objectives.py): each step's row
-log-probabilities under it, computed by a scoring graph of its own before the training step,
-which reads them as data (so the training graph stays one graph and holds no second model).
+"""The reference model of the dpo and ipo objectives, and of grpo's KL penalty (objectives.py):
+each step's row (grpo: token) log-probabilities under it, computed by a scoring graph of its own
+before the training step, which reads them as data (so the training graph stays one graph and
+holds no second model).
 
 The reference is `[preference] reference`, else `[checkpoint] initial_load_path` (the weights
 the policy starts from): a frozen copy, sharded on the training mesh as the policy is, its weights
@@ -41,7 +42,7 @@ def configured_reference(job_config: JobConfig) -> str:
     if not given:
         raise ConfigError(f"{KEY}: empty, and no [checkpoint] initial_load_path to use instead: "
                           f"{job_config.training.objective} compares the policy with a frozen "
-                          f"reference model (simpo and orpo need none)")
+                          f"reference model (simpo and orpo need none; grpo only with [grpo] beta > 0)")
     weights_folder(given, job_config, KEY)  # exists and is readable
     return given
 
@@ -76,15 +77,19 @@ def build_reference(job_config: JobConfig, policy: torch.nn.Module, loss_fn, *, 
 def scoring_step(model: torch.nn.Module, loss_fn, switch,
                  job_config: JobConfig) -> Callable[..., torch.Tensor]:
     """`score(batch)`: each document's summed completion log-probability [rows, slots] under
-    `model` (inside the `switch()` context), float32, as one compiled graph."""
+    `model` (inside the `switch()` context), float32, as one compiled graph; for grpo each
+    token's [rows, seq] (0 where it is not a completion's)."""
     from torchtitan_xla.datasets.preference import document_slots
 
     slots = document_slots(job_config.training.seq_len, job_config.training.packing)
+    per_token = job_config.training.objective == "grpo"
 
     @torch.no_grad()
     def score(batch: Batch):
         with switch():
             token_losses = loss_fn(model, batch.inputs, batch.labels, *batch.packing)
+        if per_token:
+            return -token_losses.reshape(batch.labels.shape)
         return document_logps(token_losses, batch, slots)[0]
 
     return runtime.build_step("lazy", score, [*model.parameters(), *model.buffers()],

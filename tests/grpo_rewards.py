@@ -1,0 +1,7 @@
+"""A user reward function for tests/test_grpo.py, named as module:function
+(`--grpo.reward_functions accuracy,tests.grpo_rewards:digit_share`)."""
+
+
+def digit_share(completions, **columns):
+    """The share of each completion's characters that are digits."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
