@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers import REPO, run_train, tiny_args, train_many, train_run
 from native_helpers import EAGER, close, native_jobs
+from test_grpo import GRPO_FLAGS, SMALL, _log_rewards
 
 from torchtitan_xla.checkpoint import committed_steps
 
@@ -119,6 +120,12 @@ PREFERENCE_JOBS = {"dpo": (["--training.objective", "dpo", *HELD_OUT, "--trainin
                                 ["--parallelism.data_parallel_shard_degree", "2"])}
 
 
+def grpo_job(seed: Path) -> list[str]:
+    """GRPO (test_grpo.py's SMALL: 2 updates a rollout, the KL to a reference copy) from the seed
+    checkpoint, 8 completions a step in 2 microbatches."""
+    return [*GRPO_FLAGS, *SMALL, *from_seed(seed, steps=6), "--training.local_batch_size", "4"]
+
+
 def chat_job(seed: Path) -> list[str]:
     return [*from_seed(seed, steps=6), *CHAT, "--training.global_batch_size", "8", "--training.local_batch_size", "8"]
 
@@ -163,6 +170,7 @@ def two_processes(seed, tmp_path_factory) -> dict:
                              "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
+    jobs["grpo"] = [*EAGER, *grpo_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs["float8"] = [*EAGER, *float8_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {name: [*EAGER, *preference_job(seed, flags), *mesh] for name, (flags, mesh) in PREFERENCE_JOBS.items()}
     jobs["qwen3"] = [*EAGER, *QWEN3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
@@ -446,7 +454,7 @@ def xla_one_device(seed, moe_seed, tmp_path_factory) -> dict:
     chat data, the chunked loss, float8, PREFERENCE_JOBS, and Mixtral."""
     folder = tmp_path_factory.mktemp("xla_one")
     runs = {name: [*SYNTHETIC, *optimizer_job(seed, name)] for name in OPTIMIZER_MESHES}
-    runs |= {"chat": chat_job(seed), "chunked": [*SYNTHETIC, *chunked_job(seed)],
+    runs |= {"chat": chat_job(seed), "grpo": grpo_job(seed), "chunked": [*SYNTHETIC, *chunked_job(seed)],
              "float8": [*SYNTHETIC, *float8_job(seed)],
              **{name: preference_job(seed, flags) for name, (flags, _) in PREFERENCE_JOBS.items()},
              "moe": [*SYNTHETIC, *from_seed(moe_seed, steps=5), *MOE, "--training.local_batch_size", "8"]}
@@ -507,6 +515,18 @@ def test_dpo_gives_the_xla_runtimes_losses_and_held_out_rewards(two_processes, x
         assert validation[step].keys() == metrics.keys(), step
         for name, value in metrics.items():
             assert validation[step][name] == pytest.approx(value, rel=1e-5, abs=1e-5), (step, name)
+
+
+def test_grpo_samples_the_xla_runtimes_completions_and_gives_its_losses(two_processes, xla_one_device):
+    """GRPO on tp=2, two processes: its rollouts are the XLA runtime's on one device (the sampling
+    noise is hashed, not drawn from either runtime's generator: the same rewards at every step),
+    and so are its losses (each rollout's second update against the recorded old log-probs, the
+    KL to the reference copy), within 1e-5."""
+    run, xla = two_processes["grpo"], xla_one_device["grpo"]
+    assert _log_rewards(run["log"]) == {step: round(f["reward"], 3) for step, f in xla["objective"].items()}
+    assert sorted(int(s) for s in run["losses"]) == sorted(xla["losses"]) == list(range(1, 7))
+    for step, loss in xla["losses"].items():
+        assert run["losses"][str(step)] == pytest.approx(loss, abs=1e-5), step
 
 
 def test_lora_ipo_uses_the_base_model_as_its_reference_as_the_xla_runtime_does(two_processes, xla_one_device):

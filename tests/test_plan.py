@@ -21,7 +21,12 @@ RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256"
            "mixtral_8x7b": "v5p-256", "qwen3_8b_sft": "v6e-64", "qwen3_8b_lora": "v6e-8",
            "qwen3_30b_a3b": "v5p-128", "llama3_2_1b": "v6e-8", "deepseek_v3_16b": "v5p-64",
            "deepseek_v3_671b": "v5p-1024", "llama3_8b_128k": "v5p-128", "llama3_405b_2slices": "v6e-256",
-           "debug_dpo": "v6e-8", "llama3_8b_dpo": "v6e-64", "qwen3_8b_dpo": "v6e-64"}
+           "debug_dpo": "v6e-8", "llama3_8b_dpo": "v6e-64", "qwen3_8b_dpo": "v6e-64",
+           "debug_grpo": "v6e-8", "llama3_2_1b_grpo": "v6e-8", "qwen3_8b_grpo": "v6e-64"}
+
+
+# The data-parallel degree of the grpo recipes' meshes (their rollouts' rows: local_batch_size x it).
+RECIPE_DP = {"debug_grpo": 8, "llama3_2_1b_grpo": 8, "qwen3_8b_grpo": 32}
 
 
 def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chunk):
@@ -215,6 +220,17 @@ def test_every_recipe_fits_its_slice(recipe, recipe_plans):
         parameters, reference = out.splitlines()[3].split(), out.splitlines()[6].split()
         assert reference[:3] == ["reference", parameters[1], "GiB"] and parameters[0] == "parameters"
         assert out.splitlines()[6].endswith("(dpo's frozen reference model, float32)")
+    if recipe.endswith("_grpo"):
+        # The rollouts' KV cache: every row of the step's rollout on every chip, heads over tp.
+        from torchtitan_xla.config import parse_args
+        from torchtitan_xla.plan.memory import model_args
+
+        cfg = parse_args(["--job.config_file", f"train_configs/{recipe}.toml"])
+        args, tp = model_args(cfg), cfg.parallelism.tensor_parallel_degree
+        rows = cfg.training.local_batch_size * RECIPE_DP[recipe]
+        cache = args.n_layers * rows * cfg.training.seq_len * 2 * (args.kv_heads // tp) * args.head_dim * 4
+        line = next(ln for ln in out.splitlines() if ln.startswith("  kv cache"))
+        assert line.split()[2] == f"{cache / 2**30:.2f}", (line, cache)
     assert out.splitlines()[1] == f"runtime: xla (torch_xla SPMD: one process per host); {other}"
 
 

@@ -90,13 +90,14 @@ class Generator:
                  stop: Sequence[str] = ()) -> list[Completion]:
         self.check([len(p) for p in prompts], max_new_tokens)
         sampling.check()
-        runtime.set_seed(sampling.seed)
         out = []
-        for start in range(0, len(prompts), self.batch_size):
-            out += self._batch(prompts[start:start + self.batch_size], max_new_tokens, sampling, stop)
+        for n, start in enumerate(range(0, len(prompts), self.batch_size)):
+            # Each batch's draws from its own key (sampling.py): the seed's, then the batch's number.
+            key = (sampling.seed * 1_000_003 + n) % (1 << 31)
+            out += self._batch(prompts[start:start + self.batch_size], max_new_tokens, sampling, stop, key)
         return out
 
-    def _batch(self, prompts, max_new_tokens, sampling, stop) -> list[Completion]:
+    def _batch(self, prompts, max_new_tokens, sampling, stop, key: int) -> list[Completion]:
         rows, width = self.batch_size, _round_up(max(len(p) for p in prompts), self.bucket)
         tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
         documents = torch.zeros_like(tokens)
@@ -109,17 +110,18 @@ class Generator:
         # The decode state's counters start as data of their own, not views of the prompt's
         # tensors (a view made the first decode step a graph of its own).
         last, slot, step = positions[:, -1].clone(), torch.tensor([width - 1]), torch.tensor([0])
-        tokens, documents, positions, eos, last, slot, step = runtime.to_device(
-            [tokens, documents, positions, eos, last, slot, step], self.device)
+        key = torch.tensor([key], dtype=torch.int32)
+        tokens, documents, positions, eos, last, slot, step, key = runtime.to_device(
+            [tokens, documents, positions, eos, last, slot, step, key], self.device)
         t0 = time.perf_counter()
-        cache, state = self._prefill_step(tokens, positions, documents, last, slot, step, eos, sampling)
+        cache, state = self._prefill_step(tokens, positions, documents, last, slot, step, eos, key, sampling)
         runtime.materialise()
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
         t0, n = time.perf_counter(), max_new_tokens
         for i in range(1, max_new_tokens):
-            state = self._decode_step(cache, *state, eos, sampling)
+            state = self._decode_step(cache, *state, eos, key, sampling)
             if (i + 1) % self.check_every == 0 and self._finished(state, len(prompts), i + 1, stop):
                 n = i + 1
                 break
@@ -132,7 +134,7 @@ class Generator:
     # its index among the new tokens [1], rows finished [batch], new tokens [batch, cache size]).
 
     @torch.no_grad()
-    def _prefill(self, tokens, positions, documents, last, slot, step, eos, sampling):
+    def _prefill(self, tokens, positions, documents, last, slot, step, eos, key, sampling):
         # The cache and the new tokens' buffer are made here, in the prefill's graph (made before
         # it they would be a graph of their own). The latter is as wide as the cache, whatever
         # max_new_tokens is: the decode graph's shapes are the cache's.
@@ -143,19 +145,19 @@ class Generator:
         hidden = self.model.hidden_states(tokens, positions, documents, cache)
         logits = self.model.output(hidden[:, -1:])[:, 0]
         done = torch.zeros_like(last, dtype=torch.bool)
-        return cache, self._next(logits, last, slot, step, done, generated, eos, sampling)
+        return cache, self._next(logits, last, slot, step, done, generated, eos, key, sampling)
 
     @torch.no_grad()
-    def _decode(self, cache, token, position, slot, step, done, generated, eos, sampling):
+    def _decode(self, cache, token, position, slot, step, done, generated, eos, key, sampling):
         position, slot, step = position + 1, slot + 1, step + 1
         documents = torch.ones_like(token)[:, None]
         cache.write(slot, position[:, None], documents)
         logits = self.model(token[:, None], position[:, None], documents, cache)[:, 0]
-        return self._next(logits, position, slot, step, done, generated, eos, sampling)
+        return self._next(logits, position, slot, step, done, generated, eos, key, sampling)
 
-    def _next(self, logits, position, slot, step, done, generated, eos, sampling):
+    def _next(self, logits, position, slot, step, done, generated, eos, key, sampling):
         # The whole logits (a DTensor's gathered: argmax and sort have no DTensor rule)
-        token = next_tokens(runtime.whole([logits.float()])[0], sampling)
+        token = next_tokens(runtime.whole([logits.float()])[0], sampling, key, step)
         token = torch.where(done, torch.full_like(token, self.pad_id), token)
         done = done | (token[:, None] == eos[None, :]).any(-1)
         generated = generated.index_copy(1, step, token[:, None])

@@ -16,11 +16,17 @@ def build_rollouts(job_config: JobConfig, tokenizer, *, batch_size: int, host_ra
     functions imported and checked now; `sample_from(model, loss_fn)` once the policy exists.
     (`loader_options`: the loader's that rollouts have no use for: they never end, and context
     parallelism does not run them.)"""
+    from torchtitan_xla import runtime
+    from torchtitan_xla.errors import ConfigError
     from torchtitan_xla.grpo.data import load_prompts
     from torchtitan_xla.grpo.rewards import Rewards
     from torchtitan_xla.grpo.rollouts import Rollouts
 
     t, g = job_config.training, job_config.grpo
+    if host_count > 1 and not runtime.PROCESS_PER_DEVICE:
+        raise ConfigError(f"[training] objective = \"grpo\" runs on one host of the XLA runtime for now "
+                          f"(this job has {host_count}): its generation would take each host's rows as "
+                          f"the whole batch")
     split = split or t.dataset_split
     records = load_prompts(t.dataset, t.dataset_path, split)
     rewards = Rewards(g.reward_functions, g.reward_weights, answer_pattern=g.answer_pattern,

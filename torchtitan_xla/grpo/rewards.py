@@ -103,6 +103,7 @@ class Rewards:
             except re.error as e:
                 raise ConfigError(f"[grpo] {key} = {pattern!r}: not a regular expression ({e})") from None
         self.names = list(names)
+        self.labels = [n.rpartition(":")[2] for n in self.names]  # metrics' names: the function's, as TRL's
         self.functions = [builtin[n]() if n in builtin else _imported(n) for n in self.names]
         self.weights = list(weights) or [1.0] * len(self.names)
 

@@ -10,8 +10,10 @@ completion's tokens only. Rows are [this data rank's prompts x num_generations],
 completions consecutive (a group never spans two ranks).
 
 Which prompts a rollout takes and how it samples are functions of its index (prompt order: a
-permutation per pass over the set, seeded by [debug] seed; sampling: [grpo] seed + the index), so
-a resumed run repeats the interrupted one's rollouts; a rollout still to be reused is saved whole.
+permutation per pass over the set, seeded by [debug] seed; sampling: [grpo] seed + the index,
+hashed, not drawn from a device's generator: generate/sampling.py), so a resumed run repeats the
+interrupted one's rollouts, and one device, a mesh and either runtime sample the same ones; a
+rollout still to be reused is saved whole.
 """
 
 from __future__ import annotations
@@ -152,15 +154,12 @@ class Rollouts:
     def evaluate(self) -> dict[str, float]:
         """Every prompt's `num_generations` completions, sampled with [grpo] seed (the same draws at
         each call): the mean reward, each function's, and the mean completion length."""
-        g, n = self.cfg, len(self.records)
-        totals, per_function, lengths = [], [], []
-        for start in range(0, n, self.per_rank):
-            prompts = range(start, min(start + self.per_rank, n))
-            _, ids, rows, sums = self._sample([i for i in prompts for _ in range(g.num_generations)], g.seed)
-            totals, per_function = totals + sums, per_function + rows
-            lengths += [len(x) for x in ids]
-        out = {"reward": sum(totals) / len(totals), "completions/mean_length": sum(lengths) / len(lengths)}
-        for k, name in enumerate(self.rewards.names):
+        g = self.cfg
+        _, ids, per_function, totals = self._sample(
+            [i for i in range(len(self.records)) for _ in range(g.num_generations)], g.seed)
+        out = {"reward": sum(totals) / len(totals),
+               "completions/mean_length": sum(len(x) for x in ids) / len(ids)}
+        for k, name in enumerate(self.rewards.labels):
             values = [r[k] for r in per_function if not math.isnan(r[k])]
             out[f"rewards/{name}/mean"] = sum(values) / len(values) if values else math.nan
         return out
@@ -193,7 +192,7 @@ class Rollouts:
         out = {"reward": rewards.mean().item(), "reward_std": groups.std(-1).mean().item(),
                "frac_reward_zero_std": (groups.std(-1) == 0).float().mean().item(),
                "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0}
-        for k, name in enumerate(self.rewards.names):
+        for k, name in enumerate(self.rewards.labels):
             values = torch.tensor([r[k] for r in per_function])
             values = values[~values.isnan()]
             out[f"rewards/{name}/mean"] = values.mean().item() if values.numel() else math.nan

@@ -57,6 +57,9 @@ def report(plan, cfg) -> str:
         f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name})",
         *([f"  reference    {_gib(m.reference)}   ({cfg.training.objective}'s frozen reference "
            f"model, float32)"] if m.reference else []),
+        *([f"  kv cache     {_gib(m.kv_cache)}   (grpo's rollouts: every row of the step x {t.seq_len} "
+           f"slots, float32; held while generating, beside the gradients, not the activations)"]
+          if m.kv_cache else []),
         f"  activations  {_gib(m.activations)}   (seq {t.seq_len} x batch {t.local_batch_size} per rank"
         + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "")
         + (f", split over cp {cp}: {t.seq_len // cp} tokens per device" if cp > 1 else "") + ", "

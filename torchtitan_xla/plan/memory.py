@@ -119,7 +119,8 @@ class Memory:
     optimizer: int
     temporaries: int  # the compiled step's temporary buffer; holds the gradients
     largest_shard: tuple[str, tuple[int, ...], tuple]  # name, local shape, partition spec
-    reference: int = 0  # dpo / ipo: the frozen reference model's weights (reference/)
+    reference: int = 0  # dpo / ipo / grpo with beta > 0: the frozen reference's weights (reference/)
+    kv_cache: int = 0  # grpo: its rollouts' KV cache, live while generating (between steps)
 
     @property
     def activations(self) -> int:
@@ -128,7 +129,22 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.temporaries + self.reference
+        """The peak: the step's, or a rollout's (the weights, their state, the gradients the last
+        step left and the KV cache), whichever is higher."""
+        held = self.parameters + self.optimizer + self.reference
+        return held + max(self.temporaries, self.gradients + self.kv_cache)
+
+
+def rollout_kv_cache(job_config: JobConfig, args, parallel_dims, global_batch: int) -> int:
+    """Bytes per device of grpo's KV cache: every row of the step's rollout (the generation's
+    batch is not split over the data axes yet, docs/generation.md) x seq_len slots x each layer's
+    keys and values (latent attention: its latent and rotated key part), heads split over tp,
+    float32 (generation runs the float32 weights)."""
+    if job_config.training.objective != "grpo":
+        return 0
+    per_token = (args.kv_lora_rank + args.qk_rope_head_dim if args.mla
+                 else 2 * math.ceil(args.kv_heads / parallel_dims.tp) * args.head_dim)
+    return args.n_layers * global_batch * job_config.training.seq_len * per_token * 4
 
 
 def shard_shape(shape: tuple[int, ...], spec: tuple, axis_sizes: dict[str, int]) -> tuple[int, ...]:
@@ -342,9 +358,9 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
     # The fitted temporaries hold every parameter's gradient: without the frozen ones' (LoRA; not
     # calibrated against the compiler).
     frozen_gradients = (elements - trained) * BYTES_GRAD
-    # dpo / ipo keep a frozen copy of the base weights, sharded as the policy's (LoRA without a
-    # given reference switches its adapters off instead; stored log-probabilities need none). Its
-    # scoring graph runs between steps:
+    # dpo / ipo (grpo with a KL) keep a frozen copy of the base weights, sharded as the policy's
+    # (LoRA without a given reference switches its adapters off instead; stored log-probabilities
+    # need none). Its scoring graph runs between steps:
     # its activations (no gradients) are far below the step's, so the peak is the step's.
     from torchtitan_xla.objectives import copies_reference
 
@@ -353,4 +369,5 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
     return Memory(parameters=elements * BYTES_PARAM, gradients=trained * BYTES_GRAD,
                   optimizer=trained * states * BYTES_STATE,
                   temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients,
-                  largest_shard=largest, reference=reference)
+                  largest_shard=largest, reference=reference,
+                  kv_cache=rollout_kv_cache(job_config, args, parallel_dims, global_batch))
