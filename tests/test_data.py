@@ -540,10 +540,13 @@ def test_a_dataset_without_documents_stops_train_py_before_anything_is_written(t
 
 
 def test_the_config_offers_exactly_the_registered_datasets():
+    """The data registry's datasets, then grpo's prompt sets (grpo/data.py reads those)."""
     import typing
 
-    from torchtitan_xla.config.job_config import Training
+    from torchtitan_xla.config.job_config import PROMPT_DATASETS, Training
     from torchtitan_xla.datasets.sources import DATASET_NAMES
+    from torchtitan_xla.grpo.data import load_prompts
 
     choices = typing.get_args(typing.get_type_hints(Training)["dataset"])
-    assert choices == DATASET_NAMES
+    assert choices == DATASET_NAMES + PROMPT_DATASETS
+    assert len(load_prompts("larger_numbers", "", "train")) == 81

@@ -161,6 +161,27 @@ def test_completion_rows_label_the_completion_tokens_only():
     assert labels.tolist() == [[-100, -100, 7, 8, -100, -100], [9, 10, 11, -100, -100, -100]]
 
 
+def test_a_completion_is_cut_at_its_earliest_stop_string_before_its_eos():
+    """The reward sees the text before the earliest of the stop strings (whichever is listed first),
+    and training the tokens that hold it, without the EOS a row that went on decoding met later."""
+    from types import SimpleNamespace
+
+    from torchtitan_xla.datasets import build_tokenizer
+    from torchtitan_xla.generate import Completion
+    from torchtitan_xla.grpo.rollouts import Rollouts
+
+    tokenizer = build_tokenizer("", "llama3")
+    rollouts = Rollouts.__new__(Rollouts)
+    rollouts.tokenizer, rollouts.cfg = tokenizer, SimpleNamespace(stop=["END", "STOP"])
+    tokens = tokenizer.encode("six STOP then END and more", bos=False, eos=False)
+    text, kept = rollouts._cut(Completion(tokens, "eos", tokenizer.eos_id))
+    assert text == "six " and tokenizer.decode(kept).startswith("six STOP") and tokenizer.eos_id not in kept
+    assert "STOP" not in tokenizer.decode(kept[:-1])
+    rollouts.cfg = SimpleNamespace(stop=[])
+    assert rollouts._cut(Completion(tokens, "eos", tokenizer.eos_id)) == (tokenizer.decode(tokens),
+                                                                          tokens + [tokenizer.eos_id])
+
+
 def test_built_in_rewards_score_as_documented():
     from torchtitan_xla.grpo.rewards import Rewards
 
@@ -201,6 +222,24 @@ def test_a_bad_reward_function_is_one_line(body, name, message, tmp_path, monkey
         Rewards([name], [], answer_pattern="(x)", format_pattern="x", max_completion_length=4)(
             ["p", "p"], ["a", "b"], [[1], [2]], {})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_a_reward_function_may_return_numpy_values_and_none(tmp_path, monkeypatch):
+    """As TRL accepts them: a numpy array, numpy scalars, None (not scored: 0 in the weighted sum,
+    NaN in its own column)."""
+    from torchtitan_xla.grpo.rewards import Rewards
+
+    monkeypatch.syspath_prepend(_write_module(tmp_path, (
+        "import numpy as np\n"
+        "def array(completions, **kw):\n    return np.array([0.5, 2.0], dtype=np.float32)\n"
+        "def scalars(completions, **kw):\n    return [np.float64(1.5), None]\n")))
+    monkeypatch.delitem(sys.modules, "user_rewards", raising=False)
+    rewards = Rewards(["user_rewards:array", "user_rewards:scalars"], [1.0, 2.0], answer_pattern="(x)",
+                      format_pattern="x", max_completion_length=4)
+    assert rewards.labels == ["array", "scalars"]
+    per_function, totals = rewards(["p", "p"], ["a", "b"], [[1], [2]], {})
+    assert per_function[0] == [0.5, 1.5] and per_function[1][0] == 2.0 and per_function[1][1] != per_function[1][1]
+    assert totals == [3.5, 2.0]
 
 
 # ---- training from the shared run's export -------------------------------------------------------
@@ -317,7 +356,12 @@ def test_grpo_resumes_bit_exactly_inside_a_rollout(grpo_runs, straight):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--grpo.num_generations", "1"], "--grpo.num_generations = 1: a group needs 2 completions or more"),
+    (["--grpo.num_generations", "1", "--grpo.scale_rewards", "none"],
+     "--grpo.num_generations = 1: a group needs 2 completions or more (a completion's advantage is its "
+     "reward against its group's)"),
+    (["--validation.enable", "--validation.dataset", "python_docs"],
+     "--validation.dataset = 'python_docs' with command line: --training.objective = 'grpo': grpo validates "
+     "on prompts (prompts or larger_numbers), and only it does"),
     (["--grpo.max_completion_length", "32"], "--grpo.max_completion_length = 32: with max_prompt_length = 48 it "
                                              "needs 80 tokens of KV cache and training row; [training] seq_len is 64"),
     (["--training.dataset", "python_docs"], "--training.dataset = 'python_docs': grpo trains on the prompts of a "

@@ -22,11 +22,11 @@ RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256"
            "qwen3_30b_a3b": "v5p-128", "llama3_2_1b": "v6e-8", "deepseek_v3_16b": "v5p-64",
            "deepseek_v3_671b": "v5p-1024", "llama3_8b_128k": "v5p-128", "llama3_405b_2slices": "v6e-256",
            "debug_dpo": "v6e-8", "llama3_8b_dpo": "v6e-64", "qwen3_8b_dpo": "v6e-64",
-           "debug_grpo": "v6e-8", "llama3_2_1b_grpo": "v6e-8", "qwen3_8b_grpo": "v6e-64"}
+           "debug_grpo": "v6e-8", "llama3_2_1b_grpo": "v6e-8", "qwen3_8b_grpo": "v5p-8"}
 
 
 # The data-parallel degree of the grpo recipes' meshes (their rollouts' rows: local_batch_size x it).
-RECIPE_DP = {"debug_grpo": 8, "llama3_2_1b_grpo": 8, "qwen3_8b_grpo": 32}
+RECIPE_DP = {"debug_grpo": 8, "llama3_2_1b_grpo": 8, "qwen3_8b_grpo": 4}
 
 
 def _point(mesh, n_layers, dim, heads, seq, batch, vocab, policy, attention, chunk):

@@ -152,8 +152,12 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
     objective (objectives.py) built for one validation batch's pairs, scoring held-out pairs;
     `reference` its reference's scoring graph (reference/) for dpo and ipo, unless stored."""
     v = job_config.validation
+    # The loader reads validation's data through [training]'s keys: its errors name [validation]'s.
+    own = {"dataset_split": True, "dataset": bool(v.dataset), "dataset_path": bool(v.dataset_path)}
+    renamed = renamed_keys({("training", k): ("validation", k) for k, mine in own.items() if mine})
     if job_config.training.objective == "grpo":
-        return RewardValidator(freq=v.freq, rollouts=make_loader(), model=model)
+        with renamed:
+            return RewardValidator(freq=v.freq, rollouts=make_loader(), model=model)
     if v.steps == -1 and host_count > 1:
         # Hosts would reach the end of their shares at different batches, one of them alone in
         # the eval graph's collectives.
@@ -176,8 +180,6 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
 
     state = [*model.parameters(), *model.buffers()]  # read, never written
     compiled = runtime.build_step(job_config.compile.step, eval_step, state, name="eval_step")
-    # The loader reads validation's data through [training]'s keys: its errors name [validation]'s.
-    own = {"dataset_split": True, "dataset": bool(v.dataset), "dataset_path": bool(v.dataset_path)}
-    with renamed_keys({("training", k): ("validation", k) for k, mine in own.items() if mine}):
+    with renamed:
         return Validator(freq=v.freq, steps=v.steps, make_loader=make_loader, eval_step=compiled,
                          metric_names=objective.metric_names if objective else (), reference=reference)

@@ -10,13 +10,16 @@ from torchtitan_xla.errors import ConfigError
 def check_objective(cfg: JobConfig, sources) -> None:
     """Preference objectives train on pairs of rows of a preference dataset, and only there; grpo
     on the prompts of a prompt dataset, and only there."""
-    t = cfg.training
+    t, v = cfg.training, cfg.validation
+    if v.enable and v.dataset and (v.dataset in PROMPT_DATASETS) != (t.objective == "grpo"):
+        raise ConfigError(f"{sources.describe('validation', 'dataset')} = {v.dataset!r} with "
+                          f"{sources.describe('training', 'objective')} = {t.objective!r}: grpo validates "
+                          f"on prompts (prompts or larger_numbers), and only it does")
     if t.objective == "grpo" or t.dataset in PROMPT_DATASETS:
         _check_grpo(cfg, sources)
         return
     objective, dataset = sources.describe("training", "objective"), sources.describe("training", "dataset")
     pairs = t.dataset in PREFERENCE_DATASETS
-    v = cfg.validation
     if v.enable and v.dataset in PREFERENCE_DATASETS and not pairs:
         raise ConfigError(f"{sources.describe('validation', 'dataset')} = {v.dataset!r} with "
                           f"{objective} = {t.objective!r}: held-out preference pairs are scored by "
@@ -49,9 +52,10 @@ def _check_grpo(cfg: JobConfig, sources) -> None:
     if t.objective != "grpo" or t.dataset not in PROMPT_DATASETS:
         raise ConfigError(f"{objective} = {t.objective!r} with {dataset} = {t.dataset!r}: grpo trains on "
                           f"the prompts of a prompt dataset (prompts or larger_numbers), and only it does")
-    if g.num_generations < 2 and g.scale_rewards == "group":
+    if g.num_generations < 2:
         raise ConfigError(f"{sources.describe('grpo', 'num_generations')} = {g.num_generations}: a group "
-                          f"needs 2 completions or more to have a std (scale_rewards = \"group\")")
+                          f"needs 2 completions or more (a completion's advantage is its reward against "
+                          f"its group's)")
     need = g.max_prompt_length + g.max_completion_length
     if need > t.seq_len:
         raise ConfigError(f"{sources.describe('grpo', 'max_completion_length')} = "

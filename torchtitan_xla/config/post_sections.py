@@ -84,8 +84,9 @@ class Grpo:
         "(group), the whole rollout's std (batch), or not divided (none: Dr. GRPO).")
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = opt(
         "dapo", "Aggregation of the per-token losses: grpo: mean per sequence, then over sequences; "
-        "bnpo and dapo: over every completion token of the step; dr_grpo: the sum over "
-        "(rows x max_completion_length).")
+        "bnpo: each data-parallel rank's microbatch's token mean, then their mean; dapo: the mean "
+        "over every completion token of the step; dr_grpo: the sum over (rows x "
+        "max_completion_length).")
     reward_functions: list[str] = opt(
         ["accuracy"], "Rewards (docs/posttrain.md): accuracy (the answer extracted by "
         "answer_pattern equals the row's answer), format (the completion matches format_pattern), "

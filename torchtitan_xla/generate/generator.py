@@ -70,11 +70,15 @@ class Generator:
 
     def __init__(self, model: torch.nn.Module, *, cache_size: int, batch_size: int, device,
                  eos_ids: Sequence[int], pad_id: int, bucket: int = 16, step_compiler: str = "lazy",
-                 check_every: int = 16, decode_text: Callable[[list[int]], str] | None = None):
+                 check_every: int = 16, decode_text: Callable[[list[int]], str] | None = None,
+                 first_row: int = 0):
         self.model, self.cache_size, self.batch_size = model, cache_size, batch_size
         self.device, self.bucket, self.check_every = device, bucket, check_every
         self.eos_ids, self.pad_id, self.decode_text = list(eos_ids), pad_id, decode_text
         self.n_layers = len(model.layers)
+        # This process's first row in the whole batch (a data rank's): its sampling noise is that
+        # of the same rows on one device (sampling.py).
+        self.first_row = first_row
         self.stats = Stats()
         # `step_compiler` is [compile] step's. Each call one graph: torch_xla.compile'd ("lazy"; a
         # host read inside is an error, not a second graph; "replay" is lazy here, as there is no
@@ -157,7 +161,7 @@ class Generator:
 
     def _next(self, logits, position, slot, step, done, generated, eos, key, sampling):
         # The whole logits (a DTensor's gathered: argmax and sort have no DTensor rule)
-        token = next_tokens(runtime.whole([logits.float()])[0], sampling, key, step)
+        token = next_tokens(runtime.whole([logits.float()])[0], sampling, key, step, self.first_row)
         token = torch.where(done, torch.full_like(token, self.pad_id), token)
         done = done | (token[:, None] == eos[None, :]).any(-1)
         generated = generated.index_copy(1, step, token[:, None])

@@ -52,20 +52,23 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shifted(x, 16)
 
 
-def uniform_noise(key: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def uniform_noise(key: torch.Tensor, index: torch.Tensor, shape: tuple[int, int],
+                  first_row: int = 0) -> torch.Tensor:
     """[rows, vocab] float32 uniforms in (0, 1), a hash of (`key`, `index`, row, column): int32
-    tensors of one element each (a batch's key; the token's index in the completion)."""
+    tensors of one element each (a batch's key; the token's index in the completion); rows are
+    numbered from `first_row` (a data rank's first row in the whole batch)."""
     rows, vocab = shape
     h = _mix(_mix(key.to(torch.int32)) ^ index.to(torch.int32))
-    h = _mix(h ^ torch.arange(rows, dtype=torch.int32, device=key.device))[:, None]
+    h = _mix(h ^ (torch.arange(rows, dtype=torch.int32, device=key.device) + first_row))[:, None]
     h = _mix(h ^ torch.arange(vocab, dtype=torch.int32, device=key.device)[None, :])
-    return (_shifted(h, 8).float() + 0.5) * 2.0**-24  # 24 bits, never 0 or 1
+    # 23 bits: (2**24 - 0.5) / 2**24 would round to 1.0 in float32, whose Gumbel noise is +inf
+    return (_shifted(h, 9).float() + 0.5) * 2.0**-23
 
 
 def next_tokens(logits: torch.Tensor, sampling: Sampling, key: torch.Tensor | None = None,
-                index: torch.Tensor | None = None) -> torch.Tensor:
+                index: torch.Tensor | None = None, first_row: int = 0) -> torch.Tensor:
     """[batch, vocab] float logits -> [batch] token ids; sampling draws the noise of (`key`,
-    `index`) (uniform_noise)."""
+    `index`, `first_row`) (uniform_noise)."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
     logits = logits / sampling.temperature
@@ -78,5 +81,5 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, key: torch.Tensor | No
         # A token goes when the ones ranked above it already reach top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= sampling.top_p
         logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
-    uniform = uniform_noise(key, index, tuple(logits.shape))
+    uniform = uniform_noise(key, index, tuple(logits.shape), first_row)
     return (logits - torch.log(-torch.log(uniform))).argmax(-1)

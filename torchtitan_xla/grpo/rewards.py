@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 
@@ -124,8 +125,10 @@ class Rewards:
                             **columns)
             except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
                 raise ConfigError(f"{KEY}: {name} raised {type(e).__name__}: {e}") from None
+            if hasattr(values, "tolist"):  # a numpy array or a tensor
+                values = values.tolist()
             if (not isinstance(values, (list, tuple)) or len(values) != len(completions)
-                    or not all(v is None or isinstance(v, (int, float)) for v in values)):
+                    or not all(v is None or isinstance(v, numbers.Real) for v in values)):
                 got = (f"{len(values)} values" if isinstance(values, (list, tuple))
                        else type(values).__name__)
                 raise ConfigError(f"{KEY}: {name} returned {got}; expected a list of {len(completions)} "

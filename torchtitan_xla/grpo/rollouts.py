@@ -64,8 +64,8 @@ class Rollouts:
                               f"{t.dataset_path or t.dataset} has {len(self.prompts[longest])} tokens; "
                               f"raise it or shorten the prompt")
         if rows % g.num_generations:
-            raise ConfigError(f"[training] global_batch_size: each data rank's {rows} rows must hold whole "
-                              f"groups of [grpo] num_generations = {g.num_generations}")
+            raise ConfigError(f"[training] local_batch_size: the {rows} rows of each data rank's batch must "
+                              f"hold whole groups of [grpo] num_generations = {g.num_generations}")
         self.per_rank = rows // g.num_generations  # prompts per rollout on this data rank
         self.data_rank, self.data_count = data_rank, data_count
         self.device, self.input_sharding = device, input_sharding
@@ -87,7 +87,8 @@ class Rollouts:
                                    batch_size=self.per_rank * g.num_generations, device=self.device,
                                    eos_ids=[tok.eos_id, *end_of_turn_ids(tok)],
                                    pad_id=pad_id(tok), bucket=g.max_prompt_length,
-                                   step_compiler=self.job_config.compile.step, decode_text=tok.decode)
+                                   step_compiler=self.job_config.compile.step, decode_text=tok.decode,
+                                   first_row=self.data_rank * self.per_rank * g.num_generations)
         if g.num_iterations > 1 and loss_fn is not None:
             import contextlib
 
@@ -165,17 +166,20 @@ class Rollouts:
         return out
 
     def _cut(self, completion) -> tuple[str, list[int]]:
-        """The completion's text for the rewards (before a stop string) and the tokens trained on
-        (through the EOS that ended it, or the tokens that hold the stop string)."""
+        """The completion's text for the rewards (before its earliest stop string) and the tokens
+        trained on: those that hold the stop string, else through the EOS that ended it. (A row
+        that met a stop string decodes on until every row has stopped: its later tokens go.)"""
         tokens = list(completion.tokens)
         text = self.tokenizer.decode(tokens)
+        found = [text.index(stop) for stop in self.cfg.stop if stop in text]
+        if found:
+            cut = min(found)
+            stop = next(s for s in self.cfg.stop if s in text and text.index(s) == cut)
+            end = next(k for k in range(1, len(tokens) + 1)
+                       if stop in self.tokenizer.decode(tokens[:k]))
+            return text[:cut], tokens[:end]
         if completion.eos is not None:
             return text, tokens + [completion.eos]
-        for stop in self.cfg.stop:
-            if stop in text:
-                end = next(k for k in range(1, len(tokens) + 1)
-                           if stop in self.tokenizer.decode(tokens[:k]))
-                return text[:text.index(stop)], tokens[:end]
         return text, tokens
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> Batch:
@@ -210,8 +214,13 @@ class Rollouts:
     def state_dict(self) -> dict:
         state = {"rollouts": self.index, "uses_left": self.uses_left, "metrics": self._metrics}
         if self.uses_left:  # the rollout the next steps reuse, whole: new weights would not repeat it
-            state["batch"] = {n: runtime.to_host([getattr(self.batch, n)])[0] for n in _BATCH_FIELDS
-                              if getattr(self.batch, n) is not None}
+            rows = self.per_rank * self.cfg.num_generations
+            state["batch"] = {}
+            for name in _BATCH_FIELDS:
+                if getattr(self.batch, name) is not None:
+                    t = runtime.to_host([getattr(self.batch, name)])[0]
+                    # This rank's rows (a native DTensor comes to the host whole: every rank's).
+                    state["batch"][name] = t.narrow(0, self.data_rank * rows, rows) if len(t) > rows else t
         return state
 
     def load_state_dict(self, state: dict) -> None:
