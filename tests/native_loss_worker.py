@@ -3,7 +3,8 @@
 F.cross_entropy on the whole logits in float64, values and gradients, and the collectives it ran;
 "rules", the sharding rules the runtime adds (select, logsumexp) against plain tensors, for each
 layout; "float8", float8_dot's rule (torchtitan_xla.float8) on the layouts a linear layer meets,
-against the plain op. Rank 0 writes $NATIVE_OUT."""
+against the plain op; "bf16_step", the debug model on the mesh under bf16 autocast: its collectives
+with their dtypes, its loss and gradients against one process. Rank 0 writes $NATIVE_OUT."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torchtitan_xla import runtime  # noqa: E402
@@ -82,6 +84,57 @@ for name, (sa, sb, a_dims, b_dims, fa, fb, la, lb) in F8_CASES.items():
     float8.append({"case": name, "placements": repr(got.placements),
                    "collectives": sorted(str(k) for k in comm.get_comm_counts()),
                    "error": ((got.full_tensor() - want).abs().max() / want.abs().max()).item()})
+
+
+class Collectives(TorchDispatchMode):
+    """Each collective the process runs: (op, dtype, shape of its input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] != "wait_tensor":
+            self.seen.append((func.__name__.split(".")[0], str(args[0].dtype).removeprefix("torch."),
+                              list(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def bf16_step() -> dict:
+    """The debug model (2 blocks) on fsdp=2 x tp=2 under bfloat16 autocast: one forward and
+    backward's collectives, and its loss and gradients against the same weights on one process."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.models import get_model_args, get_model_class
+    from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
+
+    cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.data_parallel_shard_degree",
+                      "2", "--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"])
+    dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
+    args = get_model_args("llama3", "debugmodel", vocab_size=256, max_seq_len=32, n_layers=2)
+    torch.manual_seed(0)
+    plain = get_model_class("llama3")(args)
+    model = get_model_class("llama3")(args)
+    model.load_state_dict(plain.state_dict())
+    model_mesh = dims.build_mesh("cpu")
+    parallelize_llama(model, model_mesh, dims, cfg)
+    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    sharded = runtime.input_sharding(model_mesh, (BATCH_AXES, None))(tokens)
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with Collectives() as seen, implicit_replication(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(sharded).float().square().mean()
+        loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(tokens).float().square().mean()
+    want.backward()
+    grads = {n: (p.grad.full_tensor() - q.grad).abs().max().item() / q.grad.abs().max().item()
+             for (n, p), q in zip(model.named_parameters(), plain.parameters())}
+    return {"collectives": seen.seen, "loss": loss.full_tensor().item(), "want": want.item(), "grads": grads,
+            "shapes": {n: list(p.shape) for n, p in plain.named_parameters()}}
+
+
+step = bf16_step()
 if dist.get_rank() == 0:
-    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules, "float8": float8}))
+    Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules, "float8": float8,
+                                                          "bf16_step": step}))
 dist.destroy_process_group()

@@ -324,3 +324,38 @@ def test_published_config_jsons_read_as_the_flavors(family, flavor):
     for field in ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_hidden_dim", "qk_norm",
                   "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "max_seq_len", "vocab_size"):
         assert getattr(got, field) == getattr(expected, field), field
+
+
+def test_embedding_reads_its_table_in_the_compute_dtype_and_sums_gradients_in_float32():
+    """Under autocast the table is read in bfloat16 (FSDP then gathers bf16: test_plan.py) and the
+    rows enter the residual stream in float32; the gradient is summed in float32 (a bf16
+    scatter-add would round a frequent token's sum); without autocast it is nn.Embedding, bit for
+    bit. Tokens repeat (one 300 times) so that the sum's precision shows."""
+    from torchtitan_xla.models.llama.layers import Embedding
+
+    torch.manual_seed(0)
+    table = torch.randn(50, 16)
+    tokens = torch.cat([torch.randint(0, 50, (2, 40)), torch.full((2, 150), 7)], 1)
+    grad = torch.randn(2, 190, 16)
+    ours, plain = Embedding(50, 16), torch.nn.Embedding(50, 16)
+    with torch.no_grad():
+        ours.weight.copy_(table)
+        plain.weight.copy_(table)
+
+    out = ours(tokens)
+    out.backward(grad)
+    expected = plain(tokens)
+    expected.backward(grad)
+    assert torch.equal(out, expected) and torch.equal(ours.weight.grad, plain.weight.grad)
+
+    ours.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(tokens)
+    out.backward(grad)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, table.bfloat16().float()[tokens])
+    f32_sum = torch.zeros(50, 16).index_add_(0, tokens.flatten(), grad.flatten(0, 1))
+    torch.testing.assert_close(ours.weight.grad, f32_sum, rtol=1e-6, atol=1e-6)
+    bf16_sum = torch.zeros(50, 16, dtype=torch.bfloat16).index_add_(
+        0, tokens.flatten(), grad.flatten(0, 1).bfloat16())
+    assert (bf16_sum.float() - f32_sum).abs().max() > 100 * (ours.weight.grad - f32_sum).abs().max()

@@ -65,6 +65,14 @@ EIGHT_DEVICES = [
 ]
 
 
+def _bf16(point: dict) -> dict:
+    """The point under bfloat16 autocast (the memory model is fitted in float32: only audited)."""
+    return {**point, "args": [*point["args"], "--training.mixed_precision_param", "bfloat16"]}
+
+
+FSDP8_BF16, FSDP4_TP2_BF16 = _bf16(FSDP8), _bf16(FSDP4_TP2)
+
+
 def _guarded(point: dict) -> dict:
     """The point's step with the non-finite guard (the default step)."""
     return {**point, "args": [a for a in point["args"] if a != "--training.no-skip_nonfinite_steps"]}
@@ -79,7 +87,8 @@ def compiled():
     """{id(point): (point with its device count, what the compiler said)} for every point (and
     the GUARDED ones): one process per device count."""
     out = {}
-    for devices, points in ((1, [*ONE_DEVICE, GUARDED[1]]), (8, [*EIGHT_DEVICES, GUARDED[8]])):
+    for devices, points in ((1, [*ONE_DEVICE, GUARDED[1]]),
+                            (8, [*EIGHT_DEVICES, GUARDED[8], FSDP8_BF16, FSDP4_TP2_BF16])):
         for point, result in zip(points, measure(points, devices)):
             out[id(point)] = ({**point, "devices": devices}, result)
     return out
@@ -136,6 +145,33 @@ def test_fsdp4_tp2_collectives_are_the_theory(compiled):
         assert expected[kind] > 0
         assert found[kind] == pytest.approx(expected[kind], rel=0.05)
     assert found["collective-permute"] == 0
+
+
+@pytest.mark.parametrize("point, fsdp", [(FSDP8_BF16, 8), (FSDP4_TP2_BF16, 4)], ids=["fsdp8", "fsdp4tp2"])
+def test_fsdp_gathers_bfloat16_weights_under_autocast(compiled, point, fsdp):
+    """Under bf16 autocast, in the module as SPMD partitioning hands it to TPU (the CPU backend
+    then promotes bf16 collectives to f32): FSDP gathers every weight matrix in bfloat16, the
+    embedding's too (cast where it is sharded), and the norms in float32; the weights' gradients
+    are reduce-scattered in bfloat16, the embedding's in float32; and every kind's bytes equal the
+    theory (bf16 gathers: half the float32 step's) within 5%."""
+    row, result = compiled[id(point)]
+    ops = [tuple(op) for op in result["collectives"]]
+    fsdp_ops = [(kind, shape.split("[")[0], shape.split("[")[1].split("]")[0].split(","))
+                for kind, _, group, shape in ops if group == fsdp]
+    gathers = [(dtype, len(dims)) for kind, dtype, dims in fsdp_ops if kind == "all-gather"]
+    assert sum(rank == 2 for _, rank in gathers) >= 15, gathers  # 7 a block and the two tables
+    assert all(dtype == ("bf16" if rank == 2 else "f32") for dtype, rank in gathers), gathers
+    vocab, dim = 2256, 256 // (8 // fsdp)  # the table's [vocab, dim / tp]
+    reduced = {(dtype, tuple(map(int, dims))) for kind, dtype, dims in fsdp_ops
+               if kind == "reduce-scatter" and len(dims) == 2}
+    assert ("f32", (vocab, dim)) in reduced and {d for d, _ in reduced} == {"bf16", "f32"}, reduced
+    assert [shape for d, shape in reduced if d == "f32"] == [(vocab, dim)], reduced
+    found, expected, findings = _audit(compiled, point)
+    assert findings == []
+    _, f32_expected, _ = _audit(compiled, FSDP8 if fsdp == 8 else FSDP4_TP2)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert found[kind] == pytest.approx(expected[kind], rel=0.05)
+    assert expected["all-gather"] < 0.7 * f32_expected["all-gather"]
 
 
 def test_audit_names_a_parameter_left_out_of_fsdp(compiled):

@@ -82,7 +82,8 @@ def calibration_shape(row: dict):
 
 def measure(points: list[dict], devices: int, *, timeout: int = 1200) -> list[dict]:
     """[{"temp_bytes": int, "collectives": [[kind, result_bytes, group_size, shape], ...]}] per
-    point, each from its own compiled step on `devices` virtual XLA CPU devices."""
+    point, each from its own compiled step on `devices` virtual XLA CPU devices (the collectives
+    of its optimized module, in the dtypes SPMD partitioning gave them: `with_partitioned_dtypes`)."""
     from torchtitan_xla import runtime
 
     dump_flags = runtime.compiled.dump_flags
@@ -117,7 +118,8 @@ def audit_point(row: dict, result: dict) -> tuple[dict, dict, list[str]]:
     t = cfg.training
     policy = activation_shape(cfg, args, dims, t.local_batch_size).policy
     expected = comms.theory(model, dims, tokens=t.local_batch_size * t.seq_len, seq_len=t.seq_len,
-                            microbatches=1, policy=policy)
+                            microbatches=1, policy=policy,
+                            act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4)
     ops = [tuple(op) for op in result["collectives"]]
     findings = comms.audit(ops, expected, parameters=comms.parameters_by_shape(model))
     return comms.measured(ops), expected, findings
@@ -143,9 +145,11 @@ def _run(points: list[dict], dump: Path, run_folder: Path) -> None:
         # The training step is the largest program a run compiles (the init graph is smaller).
         assignments = [(parse_buffer_assignment(f.read_text()), f) for f in new]
         step, path = max(assignments, key=lambda a: a[0].temp_bytes)
-        hlo = Path(str(path).replace("-buffer-assignment.txt", ".txt")).read_text()
-        print("RESULT " + json.dumps({"temp_bytes": step.temp_bytes, "collectives": collective_ops(hlo)}),
-              flush=True)
+        optimized = Path(str(path).replace("-buffer-assignment.txt", ".txt"))
+        # In the dtypes TPU moves (the CPU backend promotes bf16 collectives to f32).
+        ops = runtime.compiled.with_partitioned_dtypes(collective_ops(optimized.read_text()),
+                                                       runtime.compiled.partitioned_hlo(optimized))
+        print("RESULT " + json.dumps({"temp_bytes": step.temp_bytes, "collectives": ops}), flush=True)
 
 
 @contextlib.contextmanager

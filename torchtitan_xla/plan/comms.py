@@ -13,7 +13,8 @@ import math
 from collections import defaultdict
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-GRAD_BYTES = 4  # gradients are reduced in float32
+GRAD_BYTES = 4  # float32 gradients' bytes per element
+RESIDUAL_BYTES = 4  # the residual stream stays float32 under autocast
 
 
 def sent_bytes(kind: str, result_bytes: float, group: int) -> float:
@@ -41,7 +42,7 @@ def _block(name: str) -> int | None:
 
 
 def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int, policy: str,
-           param_bytes: int = 4, act_bytes: int = 4) -> dict[str, float]:
+           act_bytes: int = 4) -> dict[str, float]:
     """Bytes sent per device per step, by kind, for the model's parameters under `param_specs`;
     `tokens` per data-parallel rank and microbatch.
 
@@ -55,8 +56,13 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
     forward and one reduce-scatter backward for the output layer; the embedding's feature-sharded
     output moved to sequence shards by an all-to-all, forward and backward; parameters tensor
     parallelism leaves whole (the norms) all-reduce their gradient over the sequence shards.
-    Parameters are gathered in their storage dtype (`param_bytes`: autocast converts after the
-    gather); activations move in the compute dtype (`act_bytes`).
+    Matrices (every weight a matmul or the embedding reads) are gathered in the compute dtype
+    (`act_bytes`): autocast casts the float32 shard and XLA's partitioner gathers the cast. Their
+    gradients come out of the backward's matmuls in it and are reduced in it, except the
+    embedding's, accumulated in float32 (models/llama/layers.Embedding). Vectors (the norms) are
+    read in float32 and so gathered and reduced in it. Sequence parallelism's gathers and the
+    embedding's all-to-all move the float32 residual stream, its reduce-scatters the compute dtype;
+    expert, pipeline and context parallelism's activations the compute dtype (audited in float32).
 
     Expert parallelism: dense parameters are sharded (gathered, reduce-scattered) over fsdp x ep,
     expert weights over fsdp alone (each ep device keeps its experts: the tokens come to them), and
@@ -79,7 +85,9 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
     specs = param_specs(model, parallel_dims)
     for name, p in model.named_parameters():
         spec = specs[name]
-        grad_bytes = GRAD_BYTES if p.requires_grad else 0  # a frozen (LoRA base) weight has none
+        param_bytes = act_bytes if p.dim() >= 2 else 4
+        grad_bytes = 0 if not p.requires_grad else (  # a frozen (LoRA base) weight has none
+            GRAD_BYTES if p.dim() < 2 or "tok_embeddings" in name else act_bytes)
         axes = {x for s in spec for x in ((s,) if isinstance(s, str) else (s or ()))}
         # Without FSDP's axis: the tp / ep split, which stays. FSDP's group (fsdp, and ep for a
         # dense weight) gathers it or, if it could not shard it, all-reduces its gradient.
@@ -115,10 +123,15 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
                                                      * parallel_dims.pp_microbatches)
         blocks, recompute = blocks * runs, recompute * runs
     dim = model.tok_embeddings.weight.shape[1]
-    sequence = tokens / cp * dim * act_bytes  # [tokens, dim] of this device's part of the sequences
-    out["all-gather"] += a * (4 * blocks + 1 + recompute) * sent_bytes("all-gather", sequence, t)
-    out["reduce-scatter"] += a * (7 * blocks + 1 + recompute) * sent_bytes("reduce-scatter", sequence / t, t)
-    out["all-to-all"] += a * 2 * sent_bytes("all-to-all", sequence / t, t)
+    sequence = tokens / cp * dim  # [tokens, dim] elements of this device's part of the sequences
+    # The gathers move the float32 residual stream's (normalised) values, forward and backward:
+    # XLA gathers before autocast's cast. The reduce-scatters move matmul outputs and their
+    # input gradients, in the compute dtype.
+    gathered = sequence * RESIDUAL_BYTES
+    out["all-gather"] += a * (4 * blocks + 1 + recompute) * sent_bytes("all-gather", gathered, t)
+    out["reduce-scatter"] += a * (7 * blocks + 1 + recompute) * sent_bytes(
+        "reduce-scatter", sequence * act_bytes / t, t)
+    out["all-to-all"] += a * 2 * sent_bytes("all-to-all", gathered / t, t)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         slots = tokens // seq_len * moe.capacity(seq_len) * moe.num_experts  # expert-side rows
         moves = 4 + 2 * (policy == "full")
@@ -128,7 +141,7 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
             out[kind] += a * sent
     if cp > 1:
         for kind, sent in context_parallel(model, parallel_dims, tokens=tokens, policy=policy,
-                                           param_bytes=param_bytes, act_bytes=act_bytes).items():
+                                           act_bytes=act_bytes).items():
             out[kind] += a * sent
     return {k: out.get(k, 0.0) for k in KINDS}
 

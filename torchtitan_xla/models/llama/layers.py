@@ -1,5 +1,6 @@
-"""The building blocks the model files share (models/llama/model.py, mla.py, moe.py): RoPE,
-RMSNorm, the attention mask and the attention module kernels replace, the SwiGLU feed-forward.
+"""The building blocks the model files share (models/llama/model.py, mla.py, moe.py): the
+embedding, RoPE, RMSNorm, the attention mask and the attention module kernels replace, the SwiGLU
+feed-forward.
 Plain PyTorch, no parallelism code."""
 
 from __future__ import annotations
@@ -16,6 +17,34 @@ from torchtitan_xla.models.llama.args import ModelArgs
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """At least float32 (bf16 -> f32; f32 and f64 unchanged)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _LookUpIn(torch.autograd.Function):
+    """Rows of `weight` read in `dtype`, returned in at least float32; the weight's gradient summed
+    in it too (a bf16 scatter-add would round frequent tokens' sums)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.rows = weight.shape[0]
+        return upcast(F.embedding(tokens, weight.to(dtype)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        return None, torch.ops.aten.embedding_dense_backward(grad, tokens, ctx.rows, -1, False), None
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding that, under autocast, reads its table in the compute dtype, as autocast reads
+    every linear's weight: the table is cast where it is sharded, so FSDP gathers it in bfloat16
+    (torchtitan's param_dtype). Its rows enter the residual stream in float32, as before."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        device = tokens.device.type
+        if not torch.is_autocast_enabled(device):
+            return super().forward(tokens)
+        return _LookUpIn.apply(tokens, self.weight, torch.get_autocast_dtype(device))
 
 
 def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:

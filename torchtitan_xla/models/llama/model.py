@@ -25,6 +25,7 @@ from torch import nn
 
 from torchtitan_xla.models.llama.args import ModelArgs
 from torchtitan_xla.models.llama.layers import (
+    Embedding,
     FeedForward,
     RMSNorm,
     ScaledDotProductAttention,
@@ -153,7 +154,7 @@ class Transformer(nn.Module):
         if args.vocab_size <= 0:
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = Embedding(args.vocab_size, args.dim)
         self.layers = Layers({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = (TiedOutput(self.tok_embeddings) if args.tie_embeddings

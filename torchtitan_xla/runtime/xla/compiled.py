@@ -21,7 +21,10 @@ def dump_flags(folder: str | Path, *, memory_scheduler: bool = False) -> str:
     into `folder`. `memory_scheduler`: the XLA CPU backend's memory-minimising scheduler instead of
     its default concurrency-optimised one, which runs a checkpointed block's recomputation beside
     its forward pass and so hides what activation checkpointing saves."""
-    flags = f"--xla_dump_to={folder}"
+    # The module after SPMD partitioning as well: its collectives carry the dtypes the TPU backend
+    # gets. The CPU backend's later passes promote every bf16 collective to f32 (it has no bf16
+    # all-gather), so the optimized CPU module cannot show a bf16 gather.
+    flags = f"--xla_dump_to={folder} --xla_dump_hlo_pass_re=^spmd-partitioning$"
     return flags + " --xla_cpu_enable_concurrency_optimized_scheduler=false" if memory_scheduler else flags
 
 
@@ -61,6 +64,15 @@ def read_buffer_assignments(folder: str | Path) -> list[BufferAssignment]:
     return [parse_buffer_assignment(f.read_text(), f.name.split(".cpu_")[0]) for f in files]
 
 
+def partitioned_hlo(optimized: str | Path) -> str:
+    """The text of a dumped module (its optimized text's path) as SPMD partitioning left it (a
+    module compiled for one device is not partitioned: its optimized text)."""
+    optimized = Path(optimized)
+    prefix = optimized.name.split(".cpu_after_optimizations")[0]
+    found = list(optimized.parent.glob(f"{prefix}.*.after_spmd-partitioning.*.txt"))
+    return (found[0] if found else optimized).read_text()
+
+
 _COLLECTIVE = re.compile(
     r"= (\([^()]*\)|[a-z0-9]+\[[0-9,]*\]\S*) "
     r"(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(")
@@ -70,11 +82,7 @@ _SHAPE = re.compile(r"([a-z]+)(\d*)\[([0-9,]*)\]")
 def _shape_bytes(shape: str) -> int:
     total = 0
     for kind, bits, dims in _SHAPE.findall(shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        width = 1 if kind == "pred" else int(bits or 32) // 8
-        total += n * width
+        total += _elements(dims) * (1 if kind == "pred" else int(bits or 32) // 8)
     return total
 
 
@@ -131,6 +139,50 @@ def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
         count, total = out.get(kind, (0, 0))
         out[kind] = (count + 1, total + size)
     return out
+
+
+def with_partitioned_dtypes(ops: list[tuple[str, int, int, str]],
+                            partitioned_text: str) -> list[tuple[str, int, int, str]]:
+    """`collective_ops` of an optimized CPU module, each in the dtype SPMD partitioning gave it
+    (`partitioned_hlo`), which is what the TPU backend moves: the CPU backend promotes bf16
+    collectives to f32. A collective takes the dtype of the partitioned ones of its kind (a
+    reduction for a reduction), group and dimensions (else element count; a reduce-scatter's shape
+    is the whole before the slice) where these agree on one. Collectives of a broadcast (zeros
+    that later passes fold away) are left out of the partitioned side."""
+    broadcasts = {m.group(1) for line in partitioned_text.splitlines()
+                  if (m := _INSTRUCTION.match(line)) and " broadcast(" in line}
+    lines = [line for line in partitioned_text.splitlines() if _COLLECTIVE.search(line)]
+    dtypes: dict[tuple, set[str]] = {}
+    for (kind, _, group, shape), line in zip(collective_ops(partitioned_text), lines):
+        operands = _OPERAND.findall(line.split("(", 1)[1].split(")", 1)[0])
+        if shape.startswith("(") or (operands and all(o in broadcasts for o in operands)):
+            continue
+        dims = _SHAPE.match(shape).group(3)
+        for key in (dims, _elements(dims)):
+            dtypes.setdefault((_family(kind), key, group), set()).add(shape.split("[")[0])
+    out = []
+    for kind, size, group, shape in ops:
+        if not shape.startswith("("):
+            dims = _SHAPE.match(shape).group(3)
+            found = (dtypes.get((_family(kind), dims, group))
+                     or dtypes.get((_family(kind), _elements(dims), group), set()))
+            if len(found) == 1:
+                retyped = next(iter(found)) + shape[shape.index("["):]
+                size = size * _shape_bytes(retyped) // _shape_bytes(shape)
+                shape = retyped
+        out.append((kind, size, group, shape))
+    return out
+
+
+def _family(kind: str) -> str:
+    return "reduce" if kind in ("all-reduce", "reduce-scatter") else kind
+
+
+def _elements(dims: str) -> int:
+    n = 1
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
 
 
 _GROUPS_EXPLICIT = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
