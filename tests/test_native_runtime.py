@@ -435,6 +435,12 @@ def test_fsdp_gathers_bfloat16_weights_under_autocast(four_processes_dtensor):
     vocab, dim = step["shapes"]["tok_embeddings.weight"]
     assert sorted(reduced)[-1] == ("float32", (vocab, dim // 2)) and len(reduced) == 16
     assert [d for d, _ in reduced].count("bfloat16") == 15
+    # Sequence parallelism: per block the two norms' outputs gathered in bfloat16 (cast first:
+    # parallelisms/compute_dtype.py) and the two row-parallel outputs' gradients; in float32 the
+    # final norm's output and the embedding's, moved to sequence shards (gloo: by a gather) and
+    # its gradient back.
+    sequence = [dtype for op, dtype, shape in ops if op == "all_gather_into_tensor" and len(shape) == 3]
+    assert sorted(sequence) == ["bfloat16"] * 8 + ["float32"] * 3, sequence
     assert abs(step["loss"] - step["want"]) <= 1e-4 * step["want"]
     assert max(step["grads"].values()) <= 2e-2, step["grads"]
 

@@ -152,8 +152,8 @@ def test_fsdp_gathers_bfloat16_weights_under_autocast(compiled, point, fsdp):
     """Under bf16 autocast, in the module as SPMD partitioning hands it to TPU (the CPU backend
     then promotes bf16 collectives to f32): FSDP gathers every weight matrix in bfloat16, the
     embedding's too (cast where it is sharded), and the norms in float32; the weights' gradients
-    are reduce-scattered in bfloat16, the embedding's in float32; and every kind's bytes equal the
-    theory (bf16 gathers: half the float32 step's) within 5%."""
+    are reduce-scattered in bfloat16, the embedding's in float32; sequence parallelism gathers
+    bf16 but for the final norm's output; and every kind's bytes equal the theory within 5%."""
     row, result = compiled[id(point)]
     ops = [tuple(op) for op in result["collectives"]]
     fsdp_ops = [(kind, shape.split("[")[0], shape.split("[")[1].split("]")[0].split(","))
@@ -166,6 +166,10 @@ def test_fsdp_gathers_bfloat16_weights_under_autocast(compiled, point, fsdp):
                if kind == "reduce-scatter" and len(dims) == 2}
     assert ("f32", (vocab, dim)) in reduced and {d for d, _ in reduced} == {"bf16", "f32"}, reduced
     assert [shape for d, shape in reduced if d == "f32"] == [(vocab, dim)], reduced
+    if fsdp == 4:  # sequence parallelism (tp = 2): per block the norms' outputs, cast and then
+        # gathered, and the row-parallel outputs' gradients, in bf16; the final norm's in float32
+        sequence = sorted(shape.split("[")[0] for kind, _, group, shape in ops if kind == "all-gather" and group == 2)
+        assert sequence == ["bf16"] * 8 + ["f32"], sequence
     found, expected, findings = _audit(compiled, point)
     assert findings == []
     _, f32_expected, _ = _audit(compiled, FSDP8 if fsdp == 8 else FSDP4_TP2)

@@ -21,6 +21,7 @@ from torchtitan_xla.config import JobConfig
 from torchtitan_xla.config.run_sections import ActivationCheckpoint
 from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
+from torchtitan_xla.parallelisms.compute_dtype import gather_in_compute_dtype
 from torchtitan_xla.parallelisms.context_parallel import einsum_linear, project_on_sequence_shards
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
 from torchtitan_xla.parallelisms.pipeline_parallel import apply_pipeline
@@ -183,8 +184,8 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ri
     # [batch, seq, dim]
     seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))
     # The norms feed column-parallel layers, which need whole sequences (of this device's part):
-    # Megatron-SP's all-gather.
-    seq_whole = runtime.constraint(mesh, (BATCH_AXES, seq, None))
+    # Megatron-SP's all-gather, of what they read (bf16 under autocast).
+    seq_whole = gather_in_compute_dtype(runtime.constraint(mesh, (BATCH_AXES, seq, None)), seq_sharded)
     # [batch, heads, seq, head_dim]: the queries (and the output) on this device's part of the
     # sequence, the keys and values of all of it.
     queries = runtime.constraint(mesh, (BATCH_AXES, "tp", seq, None))

@@ -60,8 +60,9 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
     (`act_bytes`): autocast casts the float32 shard and XLA's partitioner gathers the cast. Their
     gradients come out of the backward's matmuls in it and are reduced in it, except the
     embedding's, accumulated in float32 (models/llama/layers.Embedding). Vectors (the norms) are
-    read in float32 and so gathered and reduced in it. Sequence parallelism's gathers and the
-    embedding's all-to-all move the float32 residual stream, its reduce-scatters the compute dtype;
+    read in float32 and so gathered and reduced in it. Sequence parallelism moves the compute dtype
+    but for the final norm's gathered output and the embedding's all-to-all (float32: the residual
+    stream);
     expert, pipeline and context parallelism's activations the compute dtype (audited in float32).
 
     Expert parallelism: dense parameters are sharded (gathered, reduce-scattered) over fsdp x ep,
@@ -124,14 +125,14 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         blocks, recompute = blocks * runs, recompute * runs
     dim = model.tok_embeddings.weight.shape[1]
     sequence = tokens / cp * dim  # [tokens, dim] elements of this device's part of the sequences
-    # The gathers move the float32 residual stream's (normalised) values, forward and backward:
-    # XLA gathers before autocast's cast. The reduce-scatters move matmul outputs and their
-    # input gradients, in the compute dtype.
-    gathered = sequence * RESIDUAL_BYTES
-    out["all-gather"] += a * (4 * blocks + 1 + recompute) * sent_bytes("all-gather", gathered, t)
+    # In the compute dtype: the blocks' norm outputs (cast, then gathered: compute_dtype.py), the
+    # gradients gathered backward, the reduce-scatters of matmul outputs and input gradients. In
+    # float32: the final norm's output and the embedding's all-to-all (the residual stream's).
+    out["all-gather"] += a * ((4 * blocks + recompute) * sent_bytes("all-gather", sequence * act_bytes, t)
+                              + sent_bytes("all-gather", sequence * RESIDUAL_BYTES, t))
     out["reduce-scatter"] += a * (7 * blocks + 1 + recompute) * sent_bytes(
         "reduce-scatter", sequence * act_bytes / t, t)
-    out["all-to-all"] += a * 2 * sent_bytes("all-to-all", gathered / t, t)
+    out["all-to-all"] += a * 2 * sent_bytes("all-to-all", sequence * RESIDUAL_BYTES / t, t)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         slots = tokens // seq_len * moe.capacity(seq_len) * moe.num_experts  # expert-side rows
         moves = 4 + 2 * (policy == "full")

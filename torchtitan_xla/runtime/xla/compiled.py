@@ -145,37 +145,43 @@ def with_partitioned_dtypes(ops: list[tuple[str, int, int, str]],
                             partitioned_text: str) -> list[tuple[str, int, int, str]]:
     """`collective_ops` of an optimized CPU module, each in the dtype SPMD partitioning gave it
     (`partitioned_hlo`), which is what the TPU backend moves: the CPU backend promotes bf16
-    collectives to f32. A collective takes the dtype of the partitioned ones of its kind (a
-    reduction for a reduction), group and dimensions (else element count; a reduce-scatter's shape
-    is the whole before the slice) where these agree on one. Collectives of a broadcast (zeros
-    that later passes fold away) are left out of the partitioned side."""
+    collectives to f32. Collectives are matched by kind (a reduction to a reduction), group and
+    dimensions (else element count; a reduce-scatter's shape is the whole before the slice): where
+    both modules hold as many of a match, in program order; else where the partitioned ones agree
+    on one dtype. Collectives of a broadcast (zeros that later passes fold away) are left out."""
     broadcasts = {m.group(1) for line in partitioned_text.splitlines()
                   if (m := _INSTRUCTION.match(line)) and " broadcast(" in line}
     lines = [line for line in partitioned_text.splitlines() if _COLLECTIVE.search(line)]
-    dtypes: dict[tuple, set[str]] = {}
+    dtypes: dict[tuple, list[str]] = {}
     for (kind, _, group, shape), line in zip(collective_ops(partitioned_text), lines):
         operands = _OPERAND.findall(line.split("(", 1)[1].split(")", 1)[0])
         if shape.startswith("(") or (operands and all(o in broadcasts for o in operands)):
             continue
-        dims = _SHAPE.match(shape).group(3)
-        for key in (dims, _elements(dims)):
-            dtypes.setdefault((_family(kind), key, group), set()).add(shape.split("[")[0])
+        for key in _keys(kind, shape, group):
+            dtypes.setdefault(key, []).append(shape.split("[")[0])
+    keys = [None if s.startswith("(") else next((k for k in _keys(kind, s, g) if k in dtypes), None)
+            for kind, _, g, s in ops]
+    taken: dict[tuple, int] = {}
     out = []
-    for kind, size, group, shape in ops:
-        if not shape.startswith("("):
-            dims = _SHAPE.match(shape).group(3)
-            found = (dtypes.get((_family(kind), dims, group))
-                     or dtypes.get((_family(kind), _elements(dims), group), set()))
-            if len(found) == 1:
-                retyped = next(iter(found)) + shape[shape.index("["):]
-                size = size * _shape_bytes(retyped) // _shape_bytes(shape)
-                shape = retyped
+    for (kind, size, group, shape), key in zip(ops, keys):
+        found = dtypes.get(key, [])
+        if len(found) == keys.count(key):
+            dtype = found[taken.setdefault(key, 0)]
+            taken[key] += 1
+        else:
+            dtype = found[0] if found and len(set(found)) == 1 else None
+        if dtype is not None:
+            retyped = dtype + shape[shape.index("["):]
+            size, shape = size * _shape_bytes(retyped) // _shape_bytes(shape), retyped
         out.append((kind, size, group, shape))
     return out
 
 
-def _family(kind: str) -> str:
-    return "reduce" if kind in ("all-reduce", "reduce-scatter") else kind
+def _keys(kind: str, shape: str, group: int) -> tuple[tuple, tuple]:
+    """A collective's match keys, the closer first: by dimensions, by element count."""
+    dims = _SHAPE.match(shape).group(3)
+    family = "reduce" if kind in ("all-reduce", "reduce-scatter") else kind
+    return (family, dims, group), (family, _elements(dims), group)
 
 
 def _elements(dims: str) -> int:
