@@ -183,8 +183,7 @@ def apply_activation_sharding(model: nn.Module, mesh, seq: str | None = None, ri
     sequences (replicated, XLA split the output layer's weights over the idle pp devices)."""
     # [batch, seq, dim]
     seq_sharded = runtime.constraint(mesh, (BATCH_AXES, (seq, "tp") if seq else "tp", None))
-    # The norms feed column-parallel layers, which need whole sequences (of this device's part):
-    # Megatron-SP's all-gather, of what they read (bf16 under autocast).
+    # The norms feed column-parallel layers, which need whole sequences: Megatron-SP's all-gather.
     seq_whole = gather_in_compute_dtype(runtime.constraint(mesh, (BATCH_AXES, seq, None)), seq_sharded)
     # [batch, heads, seq, head_dim]: the queries (and the output) on this device's part of the
     # sequence, the keys and values of all of it.

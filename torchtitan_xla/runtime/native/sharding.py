@@ -89,12 +89,6 @@ def place(t: torch.Tensor, mesh, spec: Sequence) -> torch.Tensor:
     return distribute_tensor(t, mesh, placements(mesh, spec), src_data_rank=None)
 
 
-def _kind() -> str:
-    from .device import autocast_device_type
-
-    return autocast_device_type()
-
-
 _gathering = True  # off while initialising: init writes the stored parameter, not a gathered copy
 
 
@@ -112,12 +106,13 @@ class _Gathered:
         if not _gathering:
             return param
         mesh, target = module._compute[self.name]
-        if param.dim() < 2 or target == param.placements or not torch.is_autocast_enabled(_kind()):
+        kind = param.device.type
+        if param.dim() < 2 or target == param.placements or not torch.is_autocast_enabled(kind):
             return param.redistribute(mesh, target)
         # A matrix under autocast: cast where it is sharded, gathered in the compute dtype, its
         # gradient reduce-scattered in it (the embedding's in float32: models/llama/layers.py),
         # as the XLA runtime's partitioner does (docs/plan.md).
-        dtype = torch.get_autocast_dtype(_kind())
+        dtype = torch.get_autocast_dtype(kind)
         return param.redistribute(mesh, target, forward_dtype=dtype,
                                   backward_dtype=param.dtype if isinstance(module, nn.Embedding) else dtype)
 
