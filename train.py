@@ -74,6 +74,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         step_with_lr,
     )
     from torchtitan_xla.parallelisms import BATCH_AXES, MESH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.parallelisms.compute_dtype import apply_reduce_dtype
     from torchtitan_xla.parallelisms.context_parallel import balance_batches
     from torchtitan_xla.profiling import maybe_enable_profiling
     from torchtitan_xla.reference import build_reference, reference_source
@@ -161,6 +162,8 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     # freezes the model and adds adapters beside the target weights, under their layers' names.
     convert_to_float8_training(model, job_config.float8)
     apply_lora(model, job_config.lora)
+    # Under bf16 autocast: the dtype the weights' gradients are summed across devices in.
+    apply_reduce_dtype(model, getattr(torch, training.mixed_precision_reduce))
     # MFU's FLOPs: active parameters only (an MoE token runs top_k of its experts).
     flops_per_token = num_flops_per_token(
         model_args, model.num_params(exclude_embedding=True) - inactive_expert_params(model),

@@ -100,12 +100,14 @@ class Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def bf16_step() -> dict:
-    """The debug model (2 blocks) on fsdp=2 x tp=2 under bfloat16 autocast: one forward and
-    backward's collectives, and its loss and gradients against the same weights on one process."""
+def bf16_step(reduce: str) -> dict:
+    """The debug model (2 blocks) on fsdp=2 x tp=2 under bfloat16 autocast, gradients reduced in
+    `reduce`: one forward and backward's collectives, and its loss and gradients against the same
+    weights on one process."""
     from torchtitan_xla.config import parse_args
     from torchtitan_xla.models import get_model_args, get_model_class
     from torchtitan_xla.parallelisms import BATCH_AXES, ParallelDims, parallelize_llama
+    from torchtitan_xla.parallelisms.compute_dtype import apply_reduce_dtype
 
     cfg = parse_args(["--job.config_file", "train_configs/debug_model.toml", "--parallelism.data_parallel_shard_degree",
                       "2", "--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"])
@@ -116,6 +118,7 @@ def bf16_step() -> dict:
     model = get_model_class("llama3")(args)
     model.load_state_dict(plain.state_dict())
     model_mesh = dims.build_mesh("cpu")
+    apply_reduce_dtype(model, getattr(torch, reduce))
     parallelize_llama(model, model_mesh, dims, cfg)
     tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     sharded = runtime.input_sharding(model_mesh, (BATCH_AXES, None))(tokens)
@@ -133,8 +136,8 @@ def bf16_step() -> dict:
             "shapes": {n: list(p.shape) for n, p in plain.named_parameters()}}
 
 
-step = bf16_step()
+steps = {reduce: bf16_step(reduce) for reduce in ("float32", "bfloat16")}
 if dist.get_rank() == 0:
     Path(os.environ["NATIVE_OUT"]).write_text(json.dumps({"loss": report, "rules": rules, "float8": float8,
-                                                          "bf16_step": step}))
+                                                          "bf16_steps": steps}))
 dist.destroy_process_group()

@@ -359,3 +359,36 @@ def test_embedding_reads_its_table_in_the_compute_dtype_and_sums_gradients_in_fl
     bf16_sum = torch.zeros(50, 16, dtype=torch.bfloat16).index_add_(
         0, tokens.flatten(), grad.flatten(0, 1).bfloat16())
     assert (bf16_sum.float() - f32_sum).abs().max() > 100 * (ours.weight.grad - f32_sum).abs().max()
+
+
+@pytest.mark.parametrize("device", ["cpu", "xla"])
+def test_a_float32_reduce_makes_linear_weight_gradients_float32_results(device):
+    """[training] mixed_precision_reduce = "float32" (parallelisms/compute_dtype.py): under bf16
+    autocast a linear layer's output and input gradient are autocast's, bit for bit; its weight
+    gradient is the float32 sum of the same bf16 products (the dot whose output XLA's partitioner
+    reduces across devices), equal to their float64 sum within float32 rounding, where autocast's
+    is rounded to bf16. Plain PyTorch and the XLA runtime's dot alike."""
+    from torchtitan_xla import runtime
+    from torchtitan_xla.parallelisms.compute_dtype import apply_reduce_dtype
+
+    dev = torch.device("cpu") if device == "cpu" else runtime.current_device()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 32, 64, generator=g), torch.randn(96, 64, generator=g) / 8
+    dy = torch.randn(4, 32, 96, generator=g).bfloat16()
+
+    def run(reduce: torch.dtype):
+        layer = torch.nn.Linear(64, 96, bias=False)
+        apply_reduce_dtype(layer, reduce)
+        layer.weight = torch.nn.Parameter(w.to(dev))
+        xx = x.to(dev).requires_grad_()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            y = layer(xx)
+        y.backward(dy.to(dev))
+        return y.cpu(), xx.grad.cpu(), layer.weight.grad.cpu()
+
+    (y32, gx32, gw32), (y16, gx16, gw16) = run(torch.float32), run(torch.bfloat16)
+    assert y32.dtype == torch.bfloat16 and torch.equal(y32, y16) and torch.equal(gx32, gx16)
+    exact = torch.einsum("bso,bsi->oi", dy.double(), x.bfloat16().double())
+    assert gw32.dtype == gw16.dtype == torch.float32
+    assert (gw32.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    assert (gw16.double() - exact).abs().max() >= 1e-3 * exact.abs().max()

@@ -70,7 +70,11 @@ def _bf16(point: dict) -> dict:
     return {**point, "args": [*point["args"], "--training.mixed_precision_param", "bfloat16"]}
 
 
-FSDP8_BF16, FSDP4_TP2_BF16 = _bf16(FSDP8), _bf16(FSDP4_TP2)
+# Gradients reduced in float32 ([training] mixed_precision_reduce's default) on fsdp=8, in bf16 on
+# fsdp=4 x tp=2.
+FSDP8_BF16 = _bf16(FSDP8)
+FSDP4_TP2_BF16 = {**_bf16(FSDP4_TP2), "args": [*_bf16(FSDP4_TP2)["args"], "--training.mixed_precision_reduce",
+                                                "bfloat16"]}
 
 
 def _guarded(point: dict) -> dict:
@@ -147,13 +151,15 @@ def test_fsdp4_tp2_collectives_are_the_theory(compiled):
     assert found["collective-permute"] == 0
 
 
-@pytest.mark.parametrize("point, fsdp", [(FSDP8_BF16, 8), (FSDP4_TP2_BF16, 4)], ids=["fsdp8", "fsdp4tp2"])
+@pytest.mark.parametrize("point, fsdp", [(FSDP8_BF16, 8), (FSDP4_TP2_BF16, 4)],
+                         ids=["fsdp8-reduce-f32", "fsdp4tp2-reduce-bf16"])
 def test_fsdp_gathers_bfloat16_weights_under_autocast(compiled, point, fsdp):
     """Under bf16 autocast, in the module as SPMD partitioning hands it to TPU (the CPU backend
     then promotes bf16 collectives to f32): FSDP gathers every weight matrix in bfloat16, the
     embedding's too (cast where it is sharded), and the norms in float32; the weights' gradients
-    are reduce-scattered in bfloat16, the embedding's in float32; sequence parallelism gathers
-    bf16 but for the final norm's output; and every kind's bytes equal the theory within 5%."""
+    are reduce-scattered in float32 by default and in bfloat16 when asked (mixed_precision_reduce),
+    the embedding's in float32 either way; sequence parallelism gathers bf16 but for the final
+    norm's output; and every kind's bytes equal the theory within 5%."""
     row, result = compiled[id(point)]
     ops = [tuple(op) for op in result["collectives"]]
     fsdp_ops = [(kind, shape.split("[")[0], shape.split("[")[1].split("]")[0].split(","))
@@ -164,8 +170,10 @@ def test_fsdp_gathers_bfloat16_weights_under_autocast(compiled, point, fsdp):
     vocab, dim = 2256, 256 // (8 // fsdp)  # the table's [vocab, dim / tp]
     reduced = {(dtype, tuple(map(int, dims))) for kind, dtype, dims in fsdp_ops
                if kind == "reduce-scatter" and len(dims) == 2}
-    assert ("f32", (vocab, dim)) in reduced and {d for d, _ in reduced} == {"bf16", "f32"}, reduced
-    assert [shape for d, shape in reduced if d == "f32"] == [(vocab, dim)], reduced
+    if fsdp == 8:  # attention's, w1 and w3's, w2's, the tables'
+        assert reduced == {("f32", s) for s in [(256, 256), (768, 256), (256, 768), (vocab, dim)]}, reduced
+    else:
+        assert [shape for d, shape in reduced if d == "f32"] == [(vocab, dim)] and len(reduced) == 6, reduced
     if fsdp == 4:  # sequence parallelism (tp = 2): per block the norms' outputs, cast and then
         # gathered, and the row-parallel outputs' gradients, in bf16; the final norm's in float32
         sequence = sorted(shape.split("[")[0] for kind, _, group, shape in ops if kind == "all-gather" and group == 2)

@@ -155,6 +155,11 @@ class Training:
         "grpo is online RL on the policy's own completions of a prompt dataset ([grpo]).")
     mixed_precision_param: Literal["float32", "bfloat16"] = opt(
         "bfloat16", "Compute dtype (autocast); parameters and optimizer state stay float32.")
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
+        "float32", "Under bfloat16 compute: the dtype the weight matrices' gradients are summed "
+        "across data-parallel devices in (torchtitan's mixed_precision_reduce). float32: each "
+        "device's gradient is summed in float32; bfloat16 halves the reduce-scatters' bytes (as "
+        "MaxText). The embedding's and the norms' are float32 either way (docs/parallelisms.md).")
     gc_freq: int = opt(50, "Run Python's garbage collector every this many steps.", gt=0)
 
 

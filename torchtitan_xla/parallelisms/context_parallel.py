@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from torchtitan_xla import runtime
+from torchtitan_xla.parallelisms.compute_dtype import is_plain_linear, project
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, ParallelDims
 
 
@@ -60,7 +61,7 @@ def project_on_sequence_shards(block: nn.Module, mesh, seq: str, tp_spec: Callab
     and the SwiGLU hidden for wo's and w2's)."""
     # `tp_spec`: parallelize_llama's (name, ndim) -> tensor-parallel spec of a weight.
     for name, layer in block.named_modules():
-        if type(layer) is not nn.Linear:
+        if not is_plain_linear(layer):
             continue
         layer.forward = functools.partial(einsum_linear, layer)
         out_axis, in_axis = tp_spec(f"layers.0.{name}.weight", 2)
@@ -73,4 +74,4 @@ def project_on_sequence_shards(block: nn.Module, mesh, seq: str, tp_spec: Callab
 def einsum_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x [batch, seq, in] and a layer with a `weight` [out, in] and no bias, the token
     dimensions kept apart."""
-    return torch.einsum("bsi,oi->bso", x, layer.weight)
+    return project(layer, x, tokens_apart=True)

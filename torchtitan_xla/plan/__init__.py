@@ -108,10 +108,10 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
                     else training.local_batch_size * dims.dp_degree)
     microbatches = global_batch // (training.local_batch_size * dims.dp_degree)
     policy = memory.activation_shape(job_config, args, dims, training.local_batch_size).policy
-    act_bytes = 2 if training.mixed_precision_param == "bfloat16" else 4
+    act_bytes, reduce_bytes = comms.dtype_bytes(training)
     sent = comms.theory(model, dims, tokens=training.local_batch_size * training.seq_len,
                         seq_len=training.seq_len, microbatches=microbatches, policy=policy,
-                        act_bytes=act_bytes)
+                        act_bytes=act_bytes, reduce_bytes=reduce_bytes)
     active = model.num_params(exclude_embedding=True) - inactive_expert_params(model)
     flops = num_flops_per_token(args, active, training.seq_len, frozen=frozen_matmul_params(model))
     tokens_per_device = global_batch * training.seq_len / dims.world_size

@@ -117,9 +117,9 @@ def audit_point(row: dict, result: dict) -> tuple[dict, dict, list[str]]:
     args, model = build_meta_model(cfg, **row["model"])
     t = cfg.training
     policy = activation_shape(cfg, args, dims, t.local_batch_size).policy
+    act_bytes, reduce_bytes = comms.dtype_bytes(t)
     expected = comms.theory(model, dims, tokens=t.local_batch_size * t.seq_len, seq_len=t.seq_len,
-                            microbatches=1, policy=policy,
-                            act_bytes=2 if t.mixed_precision_param == "bfloat16" else 4)
+                            microbatches=1, policy=policy, act_bytes=act_bytes, reduce_bytes=reduce_bytes)
     ops = [tuple(op) for op in result["collectives"]]
     findings = comms.audit(ops, expected, parameters=comms.parameters_by_shape(model))
     return comms.measured(ops), expected, findings

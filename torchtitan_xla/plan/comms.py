@@ -41,8 +41,16 @@ def _block(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
+def dtype_bytes(training) -> tuple[int, int]:
+    """Bytes per element of the compute dtype and of the dtype the weight matrices' gradients are
+    reduced in, for the config's [training] section."""
+    if training.mixed_precision_param != "bfloat16":
+        return 4, 4
+    return 2, 2 if training.mixed_precision_reduce == "bfloat16" else 4
+
+
 def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int, policy: str,
-           act_bytes: int = 4) -> dict[str, float]:
+           act_bytes: int = 4, reduce_bytes: int = GRAD_BYTES) -> dict[str, float]:
     """Bytes sent per device per step, by kind, for the model's parameters under `param_specs`;
     `tokens` per data-parallel rank and microbatch.
 
@@ -58,8 +66,10 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
     parallelism leaves whole (the norms) all-reduce their gradient over the sequence shards.
     Matrices (every weight a matmul or the embedding reads) are gathered in the compute dtype
     (`act_bytes`): autocast casts the float32 shard and XLA's partitioner gathers the cast. Their
-    gradients come out of the backward's matmuls in it and are reduced in it, except the
-    embedding's, accumulated in float32 (models/llama/layers.Embedding). Vectors (the norms) are
+    gradients are reduced in `reduce_bytes` ([training] mixed_precision_reduce: the linear layers'
+    weight-gradient dots give float32 results then, parallelisms/compute_dtype.py), the experts'
+    stacked weights' in the compute dtype (autocast's einsums), the embedding's in float32
+    (models/llama/layers.Embedding). Vectors (the norms) are
     read in float32 and so gathered and reduced in it. Sequence parallelism moves the compute dtype
     but for the final norm's gathered output and the embedding's all-to-all (float32: the residual
     stream);
@@ -88,7 +98,8 @@ def theory(model, parallel_dims, *, tokens: int, seq_len: int, microbatches: int
         spec = specs[name]
         param_bytes = act_bytes if p.dim() >= 2 else 4
         grad_bytes = 0 if not p.requires_grad else (  # a frozen (LoRA base) weight has none
-            GRAD_BYTES if p.dim() < 2 or "tok_embeddings" in name else act_bytes)
+            GRAD_BYTES if p.dim() < 2 or "tok_embeddings" in name else act_bytes if p.dim() > 2
+            else reduce_bytes)
         axes = {x for s in spec for x in ((s,) if isinstance(s, str) else (s or ()))}
         # Without FSDP's axis: the tp / ep split, which stays. FSDP's group (fsdp, and ep for a
         # dense weight) gathers it or, if it could not shard it, all-reduces its gradient.

@@ -107,14 +107,16 @@ class _Gathered:
             return param
         mesh, target = module._compute[self.name]
         kind = param.device.type
-        if param.dim() < 2 or target == param.placements or not torch.is_autocast_enabled(kind):
+        if param.dim() < 2 or not torch.is_autocast_enabled(kind):
             return param.redistribute(mesh, target)
-        # A matrix under autocast: cast where it is sharded, gathered in the compute dtype, its
-        # gradient reduce-scattered in it (the embedding's in float32: models/llama/layers.py),
-        # as the XLA runtime's partitioner does (docs/plan.md).
+        # A matrix under autocast: cast where it is sharded and gathered in the compute dtype; its
+        # gradient cast to the reduce dtype before it is reduce-scattered ([training]
+        # mixed_precision_reduce: parallelisms/compute_dtype.py; the embedding's float32:
+        # models/llama/layers.py), as torchtitan's FSDP2 MixedPrecisionPolicy does.
         dtype = torch.get_autocast_dtype(kind)
-        return param.redistribute(mesh, target, forward_dtype=dtype,
-                                  backward_dtype=param.dtype if isinstance(module, nn.Embedding) else dtype)
+        embedding = isinstance(module, nn.Embedding)
+        reduce = param.dtype if embedding else getattr(module, "_reduce_dtype", param.dtype)
+        return param.redistribute(mesh, target, forward_dtype=dtype, backward_dtype=reduce)
 
     def __set__(self, module, value):
         module._parameters[self.name] = value
