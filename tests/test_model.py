@@ -362,7 +362,8 @@ def test_embedding_reads_its_table_in_the_compute_dtype_and_sums_gradients_in_fl
 
 
 @pytest.mark.parametrize("device", ["cpu", "xla"])
-def test_a_float32_reduce_makes_linear_weight_gradients_float32_results(device):
+@pytest.mark.parametrize("tokens", [(4, 32), (96,)], ids=["batch-seq", "flat"])
+def test_a_float32_reduce_makes_linear_weight_gradients_float32_results(device, tokens):
     """[training] mixed_precision_reduce = "float32" (parallelisms/compute_dtype.py): under bf16
     autocast a linear layer's output and input gradient are autocast's, bit for bit; its weight
     gradient is the float32 sum of the same bf16 products (the dot whose output XLA's partitioner
@@ -373,8 +374,8 @@ def test_a_float32_reduce_makes_linear_weight_gradients_float32_results(device):
 
     dev = torch.device("cpu") if device == "cpu" else runtime.current_device()
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(4, 32, 64, generator=g), torch.randn(96, 64, generator=g) / 8
-    dy = torch.randn(4, 32, 96, generator=g).bfloat16()
+    x, w = torch.randn(*tokens, 64, generator=g), torch.randn(96, 64, generator=g) / 8
+    dy = torch.randn(*tokens, 96, generator=g).bfloat16()
 
     def run(reduce: torch.dtype):
         layer = torch.nn.Linear(64, 96, bias=False)
@@ -388,7 +389,7 @@ def test_a_float32_reduce_makes_linear_weight_gradients_float32_results(device):
 
     (y32, gx32, gw32), (y16, gx16, gw16) = run(torch.float32), run(torch.bfloat16)
     assert y32.dtype == torch.bfloat16 and torch.equal(y32, y16) and torch.equal(gx32, gx16)
-    exact = torch.einsum("bso,bsi->oi", dy.double(), x.bfloat16().double())
+    exact = torch.einsum("...o,...i->oi", dy.double(), x.bfloat16().double())
     assert gw32.dtype == gw16.dtype == torch.float32
     assert (gw32.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
     assert (gw16.double() - exact).abs().max() >= 1e-3 * exact.abs().max()
