@@ -14,6 +14,7 @@ import contextlib
 import logging
 import sys
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from torchtitan_xla.config import JobConfig, attributed, parse_args
@@ -270,6 +271,39 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     routers = Routers(model, job_config.moe, accumulation_steps, optimizer)
     updated = [*trainable, *optimizer_state_tensors(optimizer), *routers.state]
 
+    # On the native runtime's whole-step compile these are its compiled programs: each
+    # microbatch's forward and loss (its backward is the same graph's, run by `backward()`), and
+    # the update with everything the log line reads. Elsewhere they run as written.
+    @partial(runtime.region, job_config.compile.step)
+    def forward_loss(mb: Batch, totals):
+        token_losses = loss_fn(model, mb.inputs, mb.labels, *mb.packing)
+        routers.observe()
+        mb_loss, mb_metrics = objective(token_losses, mb, totals)
+        # The loss alone carries gradients out; copies, since AOTAutograd still expects gradients
+        # for a detached view of an intermediate.
+        detached = [None if t is None else t.detach().clone() for t in (mb_metrics, token_losses)]
+        return mb_loss, *detached
+
+    # (Two graphs: the optimizer's own kernel runs between them, optimizer/__init__.py.)
+    @partial(runtime.region, job_config.compile.step)
+    def update(lrs: torch.Tensor, loss, metrics, rank_token_losses, rank_counted) -> torch.Tensor:
+        grads = [p.grad for p in trainable if p.grad is not None]
+        grad_norm = runtime.kernels.total_norm(grads)  # over sharded gradients
+        if training.max_norm > 0:  # torch's clip_grads_with_norm_, whose grouping dynamo cannot trace
+            scale = (training.max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale)
+        loss_and_norm = torch.stack(runtime.whole([loss, grad_norm.detach()]))
+        nonfinite.update(loss_and_norm.isfinite().all(), updated, lambda: step_with_lr(optimizer, lrs),
+                         optimizer)
+        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1),
+                                 torch.cat(rank_counted, 1) if rank_counted else None)
+        stats = [loss_and_norm, torch.stack([*runtime.whole([max_loss]), *nonfinite.state])]
+        if objective.metric_names:
+            stats += runtime.whole([metrics])
+        router_stats = routers.stats()
+        return torch.cat(stats if router_stats is None else [*stats, *runtime.whole([router_stats])])
+
     def train_step(lrs: torch.Tensor, batch: Batch) -> torch.Tensor:
         """One optimizer step on the batch (its tensors by name: batch.py); returns everything the
         log line needs from the device, as one tensor: one transfer per log step."""
@@ -281,30 +315,16 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         routers.start()
         # Every microbatch spans all data-parallel ranks in the same order: [dp ranks, ...].
         for mb in batch.microbatches(parallel_dims.dp_degree, accumulation_steps):
-            token_losses = loss_fn(model, mb.inputs, mb.labels, *mb.packing)
-            routers.observe()
-            mb_loss, mb_metrics = objective(token_losses, mb, totals)
+            mb_loss, mb_metrics, token_losses = forward_loss(mb, totals)
             mb_loss.backward()
             loss = loss + mb_loss.detach()
             if mb_metrics is not None:
-                metrics = metrics + mb_metrics.detach()
-            rank_token_losses.append(token_losses.detach())
+                metrics = metrics + mb_metrics
+            rank_token_losses.append(token_losses)
             if batch.packed:
                 rank_counted.append((mb.labels != IGNORE_INDEX).view(parallel_dims.dp_degree, -1,
                                                                       mb.labels.shape[-1]))
-        grads = [p.grad for p in trainable if p.grad is not None]
-        grad_norm = runtime.kernels.total_norm(grads)  # over sharded gradients
-        if training.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(trainable, training.max_norm, grad_norm)
-        loss_and_norm = torch.stack(runtime.whole([loss, grad_norm.detach()]))
-        nonfinite.update(loss_and_norm.isfinite().all(), updated, lambda: step_with_lr(optimizer, lrs))
-        max_loss = max_rank_loss(torch.cat(rank_token_losses, dim=1),
-                                 torch.cat(rank_counted, 1) if rank_counted else None)
-        stats = [loss_and_norm, torch.stack([*runtime.whole([max_loss]), *nonfinite.state])]
-        if objective.metric_names:
-            stats += runtime.whole([metrics])
-        router_stats = routers.stats()
-        return torch.cat(stats if router_stats is None else [*stats, *runtime.whole([router_stats])])
+        return update(lrs, loss, metrics, rank_token_losses, rank_counted)
 
     # One graph per step: any host sync inside (e.g. a stray .item()) is an error, not a silent
     # graph break. With `replay` the graph is traced at the first two steps and then replayed, so

@@ -1,5 +1,6 @@
 """Tokens/s of the two runtimes at the same shape on this machine, one device each: the XLA
-runtime's replayed step, the native runtime eager and compiled (torch.compile per block).
+runtime's replayed step, the native runtime eager, compiled per block and compiled whole (its
+default: each microbatch's forward-backward and the update as compiled graphs).
 
     python bench/bench_runtimes.py                     # debug model, batch 4 x seq 256, fp32
     python bench/bench_runtimes.py --rounds 5 --steps 20
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 KINDS = {
     "xla (replay)": ["--runtime.backend", "xla"],
     "native eager": ["--runtime.backend", "native", "--compile.step", "eager"],
+    "native blocks": ["--runtime.backend", "native", "--compile.step", "blocks"],
     "native compiled": ["--runtime.backend", "native", "--compile.step", "compile"],
 }
 STEP = re.compile(r"step:\s+(\d+) .*? tps: ([\d,]+)")
@@ -31,7 +33,7 @@ STEP = re.compile(r"step:\s+(\d+) .*? tps: ([\d,]+)")
 
 def job(kind: str, opts) -> float:
     args = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-            "--job.dump_folder", f"/tmp/ttx-bench-runtimes/{kind.split()[0]}", "--job.no-print_config",
+            "--job.dump_folder", f"/tmp/ttx-bench-runtimes/{kind.replace(' ', '_')}", "--job.no-print_config",
             "--training.dataset", "synthetic", "--training.local_batch_size", str(opts.batch),
             "--training.seq_len", str(opts.seq_len), "--training.steps", str(opts.steps),
             "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",

@@ -108,3 +108,42 @@ def test_the_run_resumes_from_the_checkpoint_saved_while_skipping(runs, tmp_path
     first = {int(s): v for s, v in STEP_LINE.findall(runs["skipped"][1])}
     again = {int(s): v for s, v in STEP_LINE.findall(log)}
     assert again == {9: first[9]}
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_fused_adamw_skips_itself_as_if_the_step_never_ran(finite):
+    """The native compiled step's fused AdamW skips a non-finite step through its own `found_inf`
+    (no copies of its parameters or state): the parameters, moments and step count equal, bit for
+    bit, those of the same optimizer whose third step was not run at all (or was, when finite); a
+    tensor outside the optimizer (the MoE bias) is still copied back by the guard."""
+    from torchtitan_xla.optimizer import NonFiniteGuard, step_with_lr
+    from torchtitan_xla.optimizer.nonfinite import _skips_itself
+
+    def run(guarded: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+        bias = torch.zeros(3)
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False, fused=True)
+        guard = NonFiniteGuard("cpu", skip=True)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            bad = step == 2 and not finite
+            if bad:
+                params[0].grad[1, 2] = float("nan")
+            written = [*params, *(t for s in opt.state.values() for t in s.values()), bias]
+
+            def update():
+                step_with_lr(opt, torch.tensor(1e-2))
+                bias.add_(1.0)
+
+            if guarded:
+                ok = torch.stack([p.grad.isfinite().all() for p in params]).all()
+                guard.update(ok, written, update, opt)
+            elif not bad:
+                update()
+        assert _skips_itself(opt) and opt.state[params[0]]["step"].item() == (3 if finite else 2)
+        return [*params, *(t for s in opt.state.values() for t in s.values()), bias]
+
+    for a, b in zip(run(guarded=True), run(guarded=False), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

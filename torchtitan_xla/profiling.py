@@ -15,6 +15,7 @@ runtime each process writes torch.profiler's Chrome trace straight into iteratio
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,3 +84,30 @@ def maybe_enable_profiling(job_config: JobConfig) -> Iterator[Profiler | None]:
             profiler.close()
         if prof.save_xla_metrics_report:
             write_xla_metrics_report(dump_folder / "xla_metrics_report.txt")
+
+
+COMPILED = "## Call CompiledFxGraph"
+
+
+def eager_ops(trace: dict) -> tuple[collections.Counter, int]:
+    """From a native process's Chrome trace: ({aten op: count} of the top-level aten CPU ops that
+    ran outside compiled graphs, each a device dispatch on TorchTPU and a launch on a GPU), and the
+    number of compiled-graph calls (inductor's `## Call CompiledFxGraph` ranges)."""
+    threads: dict[int, list] = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            threads[e["tid"]].append(e)
+    ops, graphs = collections.Counter(), 0
+    for events in threads.values():
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_ranges: list[dict] = []
+        for e in events:
+            while open_ranges and open_ranges[-1]["ts"] + open_ranges[-1]["dur"] <= e["ts"]:
+                open_ranges.pop()
+            name = e["name"]
+            graphs += name.startswith(COMPILED)
+            nested = any(r["name"].startswith((COMPILED, "aten::")) for r in open_ranges)
+            if name.startswith("aten::") and e.get("cat") == "cpu_op" and not nested:
+                ops[name] += 1
+            open_ranges.append(e)
+    return ops, graphs

@@ -179,7 +179,7 @@ def build_validator(job_config: JobConfig, *, model: torch.nn.Module, loss_fn: L
         return torch.cat([loss.view(1), metrics, counted.view(1), totals[:1].to(losses.dtype)])
 
     state = [*model.parameters(), *model.buffers()]  # read, never written
-    compiled = runtime.build_step(job_config.compile.step, eval_step, state, name="eval_step")
+    compiled = runtime.build_step(job_config.compile.step, eval_step, state, name="eval_step", whole=True)
     with renamed:
         return Validator(freq=v.freq, steps=v.steps, make_loader=make_loader, eval_step=compiled,
                          metric_names=objective.metric_names if objective else (), reference=reference)

@@ -360,7 +360,7 @@ class CheckpointManager:
         if "optimizer" in states:
             # How this process runs the update (capturable on an XLA device, not on the CPU) is
             # its own, whichever runtime saved the state.
-            how = [{k: g[k] for k in ("capturable", "foreach") if k in g}
+            how = [{k: g[k] for k in ("capturable", "foreach", "fused") if k in g}
                    for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(states["optimizer"])
             for group, kept in zip(self.optimizer.param_groups, how):

@@ -200,7 +200,7 @@ def _check_runtime(cfg: JobConfig, sources) -> None:
     """[runtime] against the keys whose meaning depends on it."""
     step, backend = cfg.compile.step, cfg.runtime.backend
     if backend == "xla":
-        if step in ("compile", "eager"):
+        if step in ("compile", "blocks", "eager"):
             raise ConfigError(f"{sources.describe('compile', 'step')} = {step!r} is the native "
                               f"runtime's; with [runtime] backend = \"xla\" use replay or lazy")
         if cfg.runtime.device != "auto":
@@ -210,7 +210,7 @@ def _check_runtime(cfg: JobConfig, sources) -> None:
         return
     if step == "lazy" or (step == "replay" and sources.origin("compile", "step") is not None):
         raise ConfigError(f"{sources.describe('compile', 'step')} = \"{step}\" is torch_xla's; with "
-                          f"[runtime] backend = \"native\" use compile or eager")
+                          f"[runtime] backend = \"native\" use compile, blocks or eager")
     if step == "replay":  # the default, one compiled step: torch.compile here
         cfg.compile.step = "compile"
     refusal = native_refusal(cfg)

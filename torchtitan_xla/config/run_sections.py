@@ -118,11 +118,13 @@ class Runtime:
 
 @dataclass
 class Compile:
-    step: Literal["replay", "lazy", "compile", "eager"] = opt(
+    step: Literal["replay", "lazy", "compile", "blocks", "eager"] = opt(
         "replay", "How a step runs. XLA runtime, one graph per step: replay traces the first two "
         "steps, then runs the compiled graph directly; lazy traces every step "
-        "(torch_xla.compile). Native runtime: compile (torch.compile per block; what replay "
-        "means there) or eager.")
+        "(torch_xla.compile). Native runtime: compile (what replay means there: each "
+        "microbatch's forward, loss and backward one torch.compile'd graph, the update another), "
+        "blocks (torch.compile per block, the rest eager: for models whose whole graph compiles "
+        "too slowly) or eager.")
     scan_layers: bool = opt(
         False, "Run the blocks as one XLA while loop over stacked weights (torch_xla scan_layers): "
         "compile time stops growing with depth. With scan, activation_checkpoint mode must be "

@@ -74,7 +74,7 @@ class Scorer:
             return torch.stack([logp, greedy])
 
         state = [*model.parameters(), *model.buffers()]
-        self.step = runtime.build_step(step_compiler, score, state, name="score_step")
+        self.step = runtime.build_step(step_compiler, score, state, name="score_step", whole=True)
 
     def __call__(self, sequences: list[tuple[list[int], int]], desc: str = "") -> list[tuple[float, bool]]:
         from tqdm import tqdm

@@ -38,8 +38,12 @@ def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.opti
     on_device = any(p.device.type not in ("cpu", "meta") for p in params)
     if cfg.name in ("AdamW", "Adam"):
         cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+        # The native runtime's compiled step leaves the update to torch's fused kernel, one call
+        # for all parameters (torchtitan's default): compiled, the update took longer than the
+        # model. Where torch has it (the CPU, CUDA); torch-tpu's is not known to exist.
+        fused = job_config.compile.step == "compile" and all(p.device.type in ("cpu", "cuda") for p in params)
         optimizer = cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, foreach=False, capturable=on_device)
+                        weight_decay=cfg.weight_decay, foreach=False, capturable=on_device, fused=fused)
     elif cfg.name == "Muon":
         groups = muon_param_groups(model)
         if not groups[0]["params"]:
@@ -70,12 +74,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.init_state()
         return
     for group, p, state in new_states(optimizer):  # torch's Adam(W)
-        device = p.device if group["capturable"] else "cpu"
+        device = p.device if group["capturable"] or group["fused"] else "cpu"
         state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         for name in ("exp_avg", "exp_avg_sq"):
             state[name] = zeros_like_param(p)
 
 
+@torch.compiler.disable  # a compiled step calls the optimizer's own kernels (above)
 def step_with_lr(optimizer: torch.optim.Optimizer, lrs: torch.Tensor) -> None:
     """`optimizer.step()` with group i's learning rate `lrs[i]` (a device tensor, one per group;
     a scalar serves every group).

@@ -6,7 +6,9 @@ each tensor it wrote (parameters, optimizer state, the MoE balance bias) is then
 its value before the update when the step was not finite (optax's `apply_if_finite`). On XLA the
 selection fuses into the update's elementwise loop; on the native runtime the old values are
 copied first (`[training] skip_nonfinite = false` saves that copy). A finite step is unchanged bit
-for bit: `where(True, new, old)` is `new`.
+for bit: `where(True, new, old)` is `new`. torch's fused Adam(W) (the native runtime's compiled
+step) skips its own update instead, as under AMP's GradScaler: given `found_inf` = 1 its kernel
+writes nothing and its step count is put back, so only what else the update wrote is copied.
 
 Its counters (non-finite steps since the launch, and in a row now) live on the device too and
 travel with the step's other statistics, read at log and checkpoint steps.
@@ -15,6 +17,7 @@ travel with the step's other statistics, read at log and checkpoint steps.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,11 +50,16 @@ class NonFiniteGuard:
         return bool(self.count.item())
 
     @torch.no_grad()
-    def update(self, finite: torch.Tensor, written: Sequence[torch.Tensor], update: Callable[[], None]):
+    def update(self, finite: torch.Tensor, written: Sequence[torch.Tensor], update: Callable[[], None],
+               optimizer: torch.optim.Optimizer | None = None):
         """Run `update()`, which writes the tensors `written` in place; where `finite` (a boolean
         device scalar) is false, they keep their values from before it. The counters count the
-        step as non-finite either way (with `skip` off the update is applied as computed)."""
+        step as non-finite either way (with `skip` off the update is applied as computed).
+        `optimizer`: the one `update()` steps, if it can skip itself (fused Adam(W))."""
         finite = _local(finite)
+        if self.skip and _skips_itself(optimizer):
+            written = _not_its_own(optimizer, written)
+            update = partial(_skipping, optimizer, (~finite).float(), update)
         before = [_local(t).clone() for t in written] if self.skip else []
         update()
         for t, old in zip(written, before):
@@ -72,3 +80,23 @@ class NonFiniteGuard:
         raise RunError(f"steps {step - n + 1}..{step}: {n} steps in a row had a non-finite loss or "
                        f"gradient norm ([training] max_consecutive_nonfinite = {self.max_in_a_row}); "
                        f"{weights}; lower [optimizer] lr, or look at the data of step {step - n + 1}")
+
+
+@torch.compiler.disable  # outside the compiled update, as the optimizer's step is (optimizer/__init__.py)
+def _skipping(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, update: Callable[[], None]) -> None:
+    optimizer.found_inf = found_inf  # read by Adam(W).step, as AMP's GradScaler sets it
+    try:
+        update()
+    finally:
+        del optimizer.found_inf
+
+
+@torch.compiler.disable  # read eagerly: traced, every group's lr would become a guard
+def _not_its_own(optimizer: torch.optim.Optimizer, written: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    own = {id(t) for group in optimizer.param_groups for p in group["params"]
+           for t in (p, *optimizer.state[p].values())}
+    return [t for t in written if id(t) not in own]
+
+
+def _skips_itself(optimizer: torch.optim.Optimizer | None) -> bool:
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults["fused"])

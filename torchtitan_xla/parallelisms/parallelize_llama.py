@@ -364,7 +364,7 @@ def apply_scan(model: nn.Module, cfg: ActivationCheckpoint) -> None:
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
-    """torch.compile each block (`[compile] step = "compile"`, the native runtime's; the step
+    """torch.compile each block (`[compile] step = "blocks"`, the native runtime's; the step
     runs eagerly around them, as in torchtitan): the blocks share one static graph per shape, as
     on XLA (automatic dynamic shapes cannot trace the blockwise attention under DTensor)."""
     for block in model.layers.values():
@@ -395,6 +395,6 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
                        saved_spec=lambda shape, spec, stages: fsdp_spec(shape, spec, stages, "pp"))
     # Parameters take their specs (native: they become DTensors; XLA: annotated already).
     runtime.distribute_module(model, mesh)
-    if job_config.compile.step == "compile":
+    if job_config.compile.step == "blocks":
         apply_compile(model)
     return model

@@ -4,7 +4,8 @@
   annotations on one named mesh and XLA partitions each step, one graph per step.
 - `native/`: native PyTorch distributed. One process per device (TorchTPU's `tpu`, CUDA, or the
   CPU with gloo, where several processes really form one mesh); shardings are DTensor placements
-  on a DeviceMesh with the same axis names; the step is torch.compile'd per block, or eager.
+  on a DeviceMesh with the same axis names; the step is a few torch.compile'd graphs, or
+  compiled per block, or eager.
 
 Everything else in torchtitan_xla is plain PyTorch: it asks `runtime.<name>` and the chosen
 runtime answers, so no module outside this folder imports either implementation (or torch_xla;
@@ -17,7 +18,7 @@ Both implementations have the same modules and names:
   statistics, profiler traces.
 - `sharding`: the mesh, partition specs applied to parameters (`mark_sharding`, `place`,
   `distribute_module`) and activations (`constraint`), input layout, per-device regions.
-- `step`: the step (`build_step`) and the recompile guard.
+- `step`: the step (`build_step`), its compiled regions (`region`) and the recompile guard.
 - `checkpointing`: DCP planners, device snapshots and host copies for checkpoints.
 - `kernels`: attention and grouped-matmul kernels, the float32-result dot, checkpoint fences, scan.
 `compiled` (the compiled step's HLO, for the plan) is the XLA runtime's only.
@@ -41,7 +42,7 @@ _EXPORTS = {
     "sharding": ("build_mesh", "mark_sharding", "place", "distribute_module", "constraint",
                  "input_sharding", "data_shard", "copy_sharding", "sharding_text", "per_shard",
                  "run_locally", "whole", "batched_over"),
-    "step": ("build_step", "CompileGuard"),
+    "step": ("build_step", "region", "CompileGuard"),
 }
 _MODULES = ("process", "device", "sharding", "step", "kernels", "checkpointing", "compiled")
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

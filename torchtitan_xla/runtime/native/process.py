@@ -1,6 +1,7 @@
 """What the process needs before the native runtime starts (imports no torch).
 
-The native runtime's step compilers: `compile` (torch.compile per block) and `eager`. The config
+The native runtime's step compilers: `compile` (the step as a few torch.compile'd graphs),
+`blocks` (torch.compile per block) and `eager`. The config
 maps the XLA default, `replay`, to `compile` (config/checks.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping, MutableMapping
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.runtime.host_devices import has_nvidia_gpu, host_accelerator, tpu_chips
 
-STEP_COMPILERS = ("compile", "eager")
+STEP_COMPILERS = ("compile", "blocks", "eager")
 
 
 def launch_env(cpu_devices: int, device: str, env: Mapping[str, str], hosts: int = 1) -> dict[str, str]:
