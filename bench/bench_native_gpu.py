@@ -10,8 +10,9 @@ Every job is train.main through tests/native_driver.py on one torchrun process (
 the log's four digits), the debug model at the test size (seq 64, global batch 8) on synthetic
 data, 20 steps from the seed. Numerics: the largest relative difference per step from the CPU's
 eager float32 losses. The speed jobs train a ~1B Llama 3 (dim 2048, 16 layers) at seq 2048 in
-bf16 autocast on the same synthetic data; each job's figures are medians of its step lines from
-step 5 on (the first steps compile). Results: OUT/results.json and a table on stdout.
+bf16 autocast (torch's fused attention: `--model.attention flash`) on the same synthetic data;
+each job's figures are medians of its step lines from step 5 on (the first steps compile).
+Results: OUT/results.json and a table on stdout.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ BF16 = ["--training.mixed_precision_param", "bfloat16"]
 NUMERICS = {"eager fp32": EAGER, "compiled fp32": COMPILED, "compiled bf16": COMPILED + BF16}
 ONE_B = {"dim": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8}
 SPEED = ["--training.seq_len", "2048", "--training.local_batch_size", "4",
-         "--training.global_batch_size", "4", "--training.steps", "20", "--model.attention", "sdpa", *BF16]
+         "--training.global_batch_size", "4", "--training.steps", "20", "--model.attention", "flash", *BF16]
 LINE = re.compile(r"step:\s+(\d+) .*?memory: +([\d.]+)(?:/[\d.]+)?GiB\(([^,]+), peak ([\d.]+)\).*?"
                   r"tps: ([\d,]+) .*?mfu: ([\d.]+%|n/a)")
 

@@ -180,14 +180,14 @@ def eight_processes(seed, moe_seed, xla_eight, tmp_path_factory) -> dict:
 def two_processes(seed, tmp_path_factory) -> dict:
     """On two processes: the per-block compiled step of the ten-block model on tp=2, first (its
     compile counts are this process's first); accumulation with activation checkpointing; every
-    optimizer beyond AdamW; packed chat data and float8 on tp=2; PREFERENCE_JOBS; the chunked loss
+    optimizer beyond AdamW; packed chat data (through torch's fused attention) and float8 on tp=2; PREFERENCE_JOBS; the chunked loss
     on each of CHUNKED_MESHES."""
     jobs = {"compiled": ["--compile.step", "blocks", "--training.local_batch_size", "8",
                          "--parallelism.tensor_parallel_degree", "2", *NO_RECOMPILES],
             "accumulation": [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
                              "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
-    jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2"]
+    jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2", "--model.attention", "flash"]
     jobs["grpo"] = [*EAGER, *grpo_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs["float8"] = [*EAGER, *float8_job(seed), "--parallelism.tensor_parallel_degree", "2"]
     jobs |= {name: [*EAGER, *preference_job(seed, flags), *mesh] for name, (flags, mesh) in PREFERENCE_JOBS.items()}
@@ -572,14 +572,50 @@ def test_every_optimizer_gives_the_xla_runtimes_losses(optimizer, two_processes,
 
 
 def test_packed_chat_data_gives_the_xla_runtimes_losses(one_process, two_processes, xla_one_device):
-    """Conversations packed into rows (each row's documents masked from one another in the
-    blockwise attention, positions restarting per document, prompts not trained on), tp=2 on two
-    processes (tensor-parallel peers load the same block: the XLA device's batches), 6 steps from
-    one seed checkpoint: the XLA runtime's losses."""
+    """Conversations packed into rows (each row's documents masked from one another, positions
+    restarting per document, prompts not trained on), tp=2 on two processes (tensor-parallel peers
+    load the same block: the XLA device's batches), 6 steps from one seed checkpoint: the XLA
+    runtime's losses. The native run's attention is torch's fused kernel (`flash`, on each
+    process's heads of the DTensors, masked by document), the XLA run's blockwise."""
     run, xla = two_processes["chat"], xla_one_device["chat"]["losses"]
+    assert "Attention: the native runtime's flash attention kernel" in run["log"]
     close(run["losses"], xla, rtol=1e-5)
     # The same initial weights as the synthetic runs: another first loss, other data.
     assert abs(run["losses"]["1"] - one_process["mesh"]["losses"]["1"]) > 1e-3
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("documents", ["causal", "documents and padding"])
+def test_native_flash_attention_equals_the_models_own_attention(documents, kv_heads):
+    """`[model] attention = flash` on the native runtime (torch's scaled_dot_product_attention)
+    against the model's einsum attention: outputs and the gradients of q, k and v within float32
+    rounding (measured: at most 3.9e-7 of the largest value), plain causal and packed (documents of
+    several lengths, a row ending in padding), with as many kv heads as query heads and grouped."""
+    from torchtitan_xla.models.llama.layers import ScaledDotProductAttention, repeat_kv
+    from torchtitan_xla.runtime.native.kernels import attention_kernel_runs, flash_attention
+
+    assert attention_kernel_runs("flash", "CPU") and not attention_kernel_runs("splash", "CUDA")
+    torch.manual_seed(0)
+    b, h, s, d = 2, 4, 24, 16
+    q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64).float().requires_grad_()
+               for n in (h, kv_heads, kv_heads))
+    mask = ()
+    if documents != "causal":
+        ids = torch.tensor([[1] * 10 + [2] * 14, [3] * 5 + [4] * 11 + [0] * 8])
+        starts = torch.cat([torch.ones(b, 1, dtype=torch.bool), ids[:, 1:] != ids[:, :-1]], 1)
+        index = torch.arange(s).expand(b, s)
+        positions = index - torch.cummax(torch.where(starts, index, 0), 1).values
+        mask = (ids, positions)
+    grad = torch.randn(b, h, s, d)
+    results = []
+    for attention in (lambda: ScaledDotProductAttention()(q, k, v, *mask),
+                      lambda: flash_attention(q, repeat_kv(k, h), repeat_kv(v, h),
+                                              segment_ids=mask[0] if mask else None)):
+        out = attention()
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for ref, got in zip(*results):
+        scale = ref.abs().max()
+        assert (got - ref).abs().max() <= 2e-6 * scale, (got - ref).abs().max() / scale
 
 
 def test_float8_linears_give_the_xla_runtimes_losses(two_processes, xla_one_device):

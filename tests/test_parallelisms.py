@@ -430,7 +430,7 @@ def test_pallas_attention_swaps_modules_only_on_tpu():
     from helpers import capture_logs
 
     from torchtitan_xla.models.llama import ModelArgs, Transformer
-    from torchtitan_xla.models.llama.attention_kernels import PallasAttention, apply_attention_kernel
+    from torchtitan_xla.models.llama.attention_kernels import KernelAttention, apply_attention_kernel
 
     with torch.device("meta"):
         model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=64, multiple_of=32))
@@ -438,10 +438,10 @@ def test_pallas_attention_swaps_modules_only_on_tpu():
         apply_attention_kernel(model, "splash", mesh=None, device_type="CPU")
     assert [r.getMessage() for r in log.records] == [
         "[model] attention = 'splash': torch_xla's Pallas kernels run only on TPU; this CPU run uses sdpa"]
-    assert not any(isinstance(m, PallasAttention) for m in model.modules())
+    assert not any(isinstance(m, KernelAttention) for m in model.modules())
     apply_attention_kernel(model, "flash", mesh="mesh", device_type="TPU")
     kernels = [b.attention.sdpa for b in model.layers.values()]
-    assert all(isinstance(k, PallasAttention) and k.kind == "flash" for k in kernels)
+    assert all(isinstance(k, KernelAttention) and k.kind == "flash" for k in kernels)
     assert kernels[0].spec == (("dp_replicate", "fsdp", "ep"), "tp", None, None)
 
 

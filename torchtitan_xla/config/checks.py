@@ -186,7 +186,8 @@ def _check_context_parallel(cfg: JobConfig, args, sources) -> None:
 # What the native runtime does not run yet: each refused in one line, before anything is built.
 _NOT_ON_NATIVE = (
     ("compile", "scan_layers", lambda v: v, "scan is torch_xla's (scan_layers)"),
-    ("model", "attention", lambda v: v in ("flash", "splash"), "the Pallas kernels are torch_xla's"),
+    ("model", "attention", lambda v: v == "splash", "the Pallas splash kernel is torch_xla's (flash is "
+     "torch's fused attention here)"),
     ("parallelism", "context_parallel_degree", lambda v: v > 1, "its key and value gathers are "
      "sharding annotations for XLA SPMD"),
     ("parallelism", "pipeline_parallel_degree", lambda v: v > 1, "its stages are one SPMD program "

@@ -52,10 +52,12 @@ class Model:
                       "\"hf\": the architecture of the HuggingFace folder the run starts from "
                       "(checkpoint.initial_load_path with initial_load_in_hf).")
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
-        "sdpa", "Attention kernel: sdpa (compiled by XLA, any device); blockwise (causal attention "
-        "in 4 query blocks that skip the masked keys, plain XLA ops: faster on the XLA CPU backend); "
-        "flash or splash (torch_xla's Pallas kernels, TPU only: elsewhere the run falls back to "
-        "sdpa with one warning).")
+        "sdpa", "Attention kernel: sdpa (the model's own einsums, compiled by XLA or torch.compile, "
+        "any device); blockwise (causal attention in 4 query blocks that skip the masked keys, plain "
+        "ops: faster on the XLA CPU backend); flash (XLA runtime: torch_xla's Pallas kernel, TPU "
+        "only; native runtime: torch's fused scaled_dot_product_attention, any device); splash "
+        "(torch_xla's Pallas kernel, TPU only). A kernel the device lacks falls back to sdpa with "
+        "one warning.")
     tokenizer_path: str = opt(
         "",
         "Tokenizer file: a tiktoken BPE rank file (Llama 3), a sentencepiece model (Llama 2) or a "

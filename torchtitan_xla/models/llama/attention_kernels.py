@@ -1,10 +1,14 @@
 """Attention kernels that can replace a block's `attention.sdpa` module (`[model] attention`):
 
-- sdpa: `F.scaled_dot_product_attention`, compiled by XLA on any device (the model's own module);
+- sdpa: the model's own module, softmax(q k^T) v as einsums, compiled by XLA or torch.compile on
+  any device;
 - blockwise: causal attention in query blocks that skip the masked keys (blockwise_attention.py),
   plain tensor ops, faster on the XLA CPU backend;
-- flash / splash: torch_xla's Pallas kernels, TPU only (elsewhere the run keeps sdpa, with one
-  warning). Not verified on TPU by this project.
+- flash: the runtime's fused kernel: torch_xla's Pallas flash attention on TPU (XLA runtime; not
+  verified on TPU by this project), torch's `F.scaled_dot_product_attention` on the native runtime
+  (FlashAttention on CUDA, its flash kernel on the CPU);
+- splash: torch_xla's Pallas splash attention, TPU only (not verified on TPU).
+Where the runtime has no such kernel for the device, the run keeps sdpa, with one warning.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan_xla import runtime
 from torchtitan_xla.logging import logger
 from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
 from torchtitan_xla.models.llama.layers import repeat_kv
@@ -22,8 +27,8 @@ from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES
 HEADS_SPEC = (BATCH_AXES, "tp", None, None)
 
 
-class PallasAttention(nn.Module):
-    """torch_xla's Pallas flash or splash attention, sharded like the heads."""
+class KernelAttention(nn.Module):
+    """The runtime's flash or splash attention kernel, sharded like the heads."""
 
     def __init__(self, kind: str, mesh, spec=HEADS_SPEC):
         super().__init__()
@@ -31,8 +36,6 @@ class PallasAttention(nn.Module):
 
     def forward(self, q, k, v, document_ids=None, positions=None):
         # Masked by index and segment: positions in index order (context parallelism is refused).
-        from torchtitan_xla import runtime
-
         kernels = runtime.kernels
         kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
@@ -49,10 +52,10 @@ def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) 
             block.attention.sdpa = BlockwiseCausalAttention()
         logger.info("Attention: blockwise causal (4 query blocks)")
         return
-    if device_type != "TPU":
+    if not runtime.kernels.attention_kernel_runs(kind, device_type):
         logger.warning(f"[model] attention = {kind!r}: torch_xla's Pallas kernels run only on TPU; "
                        f"this {device_type} run uses sdpa")
         return
     for block in model.layers.values():
-        block.attention.sdpa = PallasAttention(kind, mesh)
-    logger.info(f"Attention: Pallas {kind} attention kernel (not verified on TPU by this project)")
+        block.attention.sdpa = KernelAttention(kind, mesh)
+    logger.info(f"Attention: the {runtime.backend()} runtime's {kind} attention kernel")

@@ -1,18 +1,20 @@
-"""The native runtime's answers to the model-side kernel calls: plain PyTorch ones. The Pallas
-kernels and scan over layers are torch_xla's; the config refuses them on this runtime before
-anything is built (config/checks.py), so reaching one here is a bug."""
+"""The native runtime's answers to the model-side kernel calls: plain PyTorch ones. `flash` is
+torch's fused attention; the splash and grouped-matmul Pallas kernels and scan over layers are
+torch_xla's, and the config refuses them on this runtime before anything is built
+(config/checks.py), so reaching one here is a bug."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from torchtitan_xla.runtime.common import python_scan as scan
 
-__all__ = ["checkpoint", "check_torchax", "dot_f32", "enable_torch_checkpoint", "flash_attention",
-           "grouped_mm", "optimization_barrier_", "scan", "scan_layers", "splash_attention",
-           "total_norm"]
+__all__ = ["attention_kernel_runs", "checkpoint", "check_torchax", "dot_f32", "enable_torch_checkpoint",
+           "flash_attention", "grouped_mm", "optimization_barrier_", "scan", "scan_layers",
+           "splash_attention", "total_norm"]
 
 
 def _xla_only(name: str):
@@ -21,11 +23,45 @@ def _xla_only(name: str):
     return refuse
 
 
-flash_attention = _xla_only("the Pallas flash attention kernel")
 splash_attention = _xla_only("the Pallas splash attention kernel")
 grouped_mm = _xla_only("the Pallas grouped matmul")
 scan_layers = _xla_only("scan over layers")
 check_torchax = _xla_only("scan over layers")
+
+
+def attention_kernel_runs(kind: str, device_type: str) -> bool:
+    """Whether `[model] attention = kind` (flash or splash) has a kernel on this runtime."""
+    return kind == "flash"
+
+
+def flash_attention(q, k, v, *, mesh=None, spec=None, segment_ids=None) -> torch.Tensor:
+    """Causal attention over [batch, heads, seq, head_dim] (keys and values with as many heads),
+    within the documents of `segment_ids` [batch, seq] if given, through torch's fused kernel
+    (`F.scaled_dot_product_attention`: FlashAttention on CUDA, its flash kernel on the CPU;
+    with documents, a kernel that takes a mask). Each (row, head) attends on its own device, so
+    DTensors sharded over batch and heads run on their local blocks (`mesh`, `spec`: the XLA
+    kernel's)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dtensor = q if isinstance(q, DTensor) else None
+    if dtensor is not None:
+        if any(isinstance(p, Shard) and p.dim > 1 for p in q.placements) or any(
+                t.placements != q.placements for t in (k, v)):
+            raise NotImplementedError(f"flash attention over placements {q.placements}, {k.placements}: "
+                                      f"only batch and heads may be sharded, alike")
+        q, k, v = q.to_local(), k.to_local(), v.to_local()
+        if isinstance(segment_ids, DTensor):
+            segment_ids = segment_ids.to_local()
+    if segment_ids is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        seq = torch.arange(q.shape[-2], device=q.device)
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (seq[:, None] >= seq[None, :])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    if dtensor is None:
+        return out
+    return DTensor.from_local(out, dtensor.device_mesh, dtensor.placements, shape=dtensor.shape,
+                              stride=dtensor.stride())
 
 
 def dot_f32(a: torch.Tensor, b: torch.Tensor, a_dims: list[int], b_dims: list[int]) -> torch.Tensor:

@@ -13,6 +13,11 @@ from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.runtime.common import python_scan
 
 
+def attention_kernel_runs(kind: str, device_type: str) -> bool:
+    """Whether `[model] attention = kind` (flash or splash) has a kernel here: TPUs only."""
+    return device_type == "TPU"
+
+
 def flash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
     """Causal Pallas flash attention over [batch, heads, seq, head_dim], sharded by `spec`, within
     the documents of `segment_ids` [batch, seq] if given. TPU only; not verified on TPU by this
