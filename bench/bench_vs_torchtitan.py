@@ -3,17 +3,18 @@ batch, precision and parallelism, in alternating rounds of one run; tokens/s per
 memory of each, and their ratio.
 
     python bench/bench_vs_torchtitan.py                  # CPU: 1 process, and fsdp=2 over 2 (gloo)
-    python bench/bench_vs_torchtitan.py --device cuda --wheels .whl   # one GPU, offline (below)
+    python bench/bench_vs_torchtitan.py --download-wheels .whl       # here, for an offline GPU box
+    python3 bench/bench_vs_torchtitan.py --device cuda --wheels .whl --out $OUT/vs-torchtitan
 
-torchtitan is installed into its own virtual environment (--env), never into this project's:
+torchtitan is installed into an environment of its own (--env), never into this project's:
 - CPU: torchtitan 0.2.2 with torch 2.13.0+cpu (--torch). torchtitan 0.3.0 trains its Llama only
   with compiled FlexAttention, whose backward CPU Inductor does not have (pytorch#148752), and
   neither release picks the CPU as its device: the worker below points torchtitan's device
   helpers at the CPU (`torch.cpu`, gloo; its memory monitor reads the process's peak RSS).
-- CUDA: the machine's own torch (the venv sees its site-packages). 0.3.0 needs torch >= 2.12
-  (its FSDP imports DataParallelMeshDims); this bench drives 0.2.2, the release for torch 2.10
-  and 2.11, and says so. Offline, --wheels DIR holds torchtitan's wheel and the pure-Python
-  packages the machine lacks (`--download-wheels DIR` fetches them here, for Python 3.12).
+- CUDA: a folder on PYTHONPATH beside the machine's own torch, installed without dependencies
+  from --wheels (the packages the GPU image lacks, fetched here by --download-wheels for Python
+  3.12) or the registry. 0.3.0 needs torch >= 2.12 (its FSDP imports DataParallelMeshDims); this
+  bench drives 0.2.2, the release for torch 2.10 and 2.11, and says so. Not run on a GPU yet.
 
 Both sides: torch.compile on (torchtitan: each block and the loss; this project: the whole
 step), fused AdamW, gradient clipping at 1.0, no activation checkpointing, causal attention
@@ -61,30 +62,41 @@ H200_PEAK = 989e12  # dense bf16 FLOP/s, torchtitan's figure for H100 and H200
 TT_LINE = re.compile(r"step:\s*(\d+)\s+loss:.*?tps:\s*([\d,]+)")
 OUR_LINE = re.compile(r"step:\s+(\d+) .*?tps: ([\d,]+)")
 # Packages of torchtitan 0.2.2 (and this project's pure-Python needs) the GPU image lacks.
-GPU_WHEELS = ["torchtitan==0.2.2", "torchdata", "datasets<4.8", "dill", "multiprocess", "tyro",
-              "docstring-parser", "typeguard", "shtab", "tomli", "tomli-w"]
+GPU_WHEELS = ["torchtitan==0.2.2", "torchdata==0.11.0", "datasets==4.0.0", "dill==0.3.8",
+              "multiprocess==0.70.16", "tyro", "docstring-parser", "typeguard", "tomli", "tomli-w"]
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
 
 
-def ensure_env(env: Path, device: str, torch_spec: str, wheels: Path | None) -> Path:
-    """torchtitan's virtual environment, created once; its python."""
+def ensure_env(env: Path, device: str, torch_spec: str, wheels: Path | None) -> tuple[Path, str]:
+    """torchtitan's environment, made once: its python and the PYTHONPATH its jobs need. CPU: a
+    virtual environment with its own torch. CUDA: a folder beside the machine's own torch (a venv
+    made from the image's venv would not see it), installed from --wheels without dependencies."""
+    if device == "cuda":
+        if not (env / "torchtitan").is_dir():
+            source = sorted(Path(wheels).glob("*.whl")) if wheels else GPU_WHEELS
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", env]
+            _setup([pip + source], env)
+        return Path(sys.executable), str(env)
     python = env / "bin" / "python"
     if python.exists() and not run([python, "-c", "import torchtitan"]).returncode:
-        return python
+        return python, ""
     pip = [python, "-m", "pip", "install", "-q"] + (["--no-index", "--find-links", wheels] if wheels else [])
-    steps = [[sys.executable, "-m", "venv", *(["--system-site-packages"] if device == "cuda" else []), env]]
-    if device == "cpu":  # its own torch; triton too: torchtitan imports it unconditionally
-        steps.append(pip + [torch_spec, "triton"])
-    steps.append(pip + [f"torchtitan=={TORCHTITAN}", "tiktoken", "sentencepiece", "tomli-w", "safetensors"])
+    # Its own torch, and triton: torchtitan imports it unconditionally. This project's own pure-Python
+    # needs too, for its jobs on the same torch.
+    _setup([[sys.executable, "-m", "venv", env], pip + [torch_spec, "triton"],
+            pip + [f"torchtitan=={TORCHTITAN}", "tiktoken", "sentencepiece", "tomli-w", "safetensors"]], env)
+    return python, ""
+
+
+def _setup(steps: list, env: Path) -> None:
     for cmd in steps:
         print("$", " ".join(map(str, cmd)), flush=True)
         p = run(cmd)
         if p.returncode:
             sys.exit(f"setting up {env} failed:\n{p.stderr[-3000:]}")
-    return python
 
 
 def make_assets(work: Path) -> tuple[Path, Path]:
@@ -132,12 +144,15 @@ def our_flags(device: str, seq: int, batch: int, processes: int, steps: int, out
             "--job.dump_folder", out]
 
 
-def job(python: Path, side: str, processes: int, flags: list, out: Path, device: str, shape: dict) -> dict:
+def job(python: Path, path: str, side: str, processes: int, flags: list, out: Path, device: str,
+        shape: dict) -> dict:
     """One torchrun job through this file's worker: per-step tokens/s and the peak memory."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_"))}
     env |= {"BENCH_PEAK": str(out / "peak"), "BENCH_DEVICE": device, "BENCH_SHAPE": json.dumps(shape),
             "PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # torchtitan's run_train.sh sets it
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", processes,
            "--local-ranks-filter", "0", __file__, "--worker", side, *flags]
     p = run(cmd, env=env, cwd=out)
@@ -247,29 +262,34 @@ def main() -> None:
         return worker(opts.worker, rest)
     if opts.download_wheels:
         return download_wheels(opts.download_wheels)
-    tt_python = ensure_env(opts.env, opts.device, opts.torch, opts.wheels)
+    tt_python, tt_path = ensure_env(opts.env, opts.device, opts.torch, opts.wheels)
     versions = {name: run([py, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
                 for name, py in (("torchtitan env", tt_python), ("this project", sys.executable))}
     print(f"torchtitan {TORCHTITAN} (0.3.0 needs torch >= 2.12 and trains its Llama only with compiled "
           f"FlexAttention, which has no CPU backward); torch: {versions}", flush=True)
     out = opts.out
+    if tt_path:  # this process reads the corpus with the folder's packages too
+        sys.path.insert(0, tt_path)
     data, tok = make_assets(out / "assets")
     shape = SHAPES[opts.device]
-    sides = {"torchtitan": ("torchtitan", tt_python), "ours, torchtitan's torch": ("ours", tt_python),
-             "ours, own torch": ("ours", Path(sys.executable))}
+    # On a GPU both run on the machine's torch; on the CPU this project also on torchtitan's.
+    sides = {"torchtitan": ("torchtitan", tt_python, tt_path), "ours": ("ours", tt_python, tt_path)}
+    if opts.device == "cpu":
+        sides = {"torchtitan": sides["torchtitan"], "ours, torchtitan's torch": sides["ours"],
+                 "ours, own torch": ("ours", Path(sys.executable), "")}
     results = {"machine": machine(opts.device), "torch": versions, "torchtitan": TORCHTITAN, "shape": shape,
                "rounds": {}}
     for run_name, (processes, seq, batch) in RUNS[opts.device].items():
         rounds = results["rounds"][run_name] = []
         for r in range(opts.rounds):
             row = {}
-            for name, (side, python) in sides.items():
+            for name, (side, python, path) in sides.items():
                 folder = out / re.sub(r"\W+", "_", f"{run_name} {name} {r}")
                 if side == "torchtitan":
                     flags = torchtitan_flags(opts.device, seq, batch, opts.steps, data, tok, folder)
                 else:
                     flags = our_flags(opts.device, seq, batch, processes, opts.steps, folder)
-                result = job(python, side, processes, flags, folder, opts.device, shape)
+                result = job(python, path, side, processes, flags, folder, opts.device, shape)
                 row[name] = summary(result, opts.warmup)
                 print(f"{run_name}, round {r + 1}, {name}: {row[name]}", flush=True)
             rounds.append(row)
