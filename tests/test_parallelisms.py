@@ -426,7 +426,7 @@ def test_native_tpu_mesh_is_torch_tpus_topology_aware_layout(monkeypatch):
         sharding.build_mesh((2, 4, 1, 1), axes, device_type="CPU", num_slices=2)
 
 
-def test_pallas_attention_swaps_modules_only_on_tpu():
+def test_pallas_attention_swaps_modules_only_on_tpu(caplog):
     from helpers import capture_logs
 
     from torchtitan_xla.models.llama import ModelArgs, Transformer
@@ -439,7 +439,10 @@ def test_pallas_attention_swaps_modules_only_on_tpu():
     assert [r.getMessage() for r in log.records] == [
         "[model] attention = 'splash': torch_xla's Pallas kernels run only on TPU; this CPU run uses sdpa"]
     assert not any(isinstance(m, KernelAttention) for m in model.modules())
-    apply_attention_kernel(model, "flash", mesh="mesh", device_type="TPU")
+    with caplog.at_level("INFO", logger="torchtitan_xla"), capture_logs() as log:
+        apply_attention_kernel(model, "flash", mesh="mesh", device_type="TPU")
+    assert [r.getMessage() for r in log.records] == [
+        "Attention: torch_xla's Pallas flash attention kernel (not verified on TPU by this project)"]
     kernels = [b.attention.sdpa for b in model.layers.values()]
     assert all(isinstance(k, KernelAttention) and k.kind == "flash" for k in kernels)
     assert kernels[0].spec == (("dp_replicate", "fsdp", "ep"), "tp", None, None)

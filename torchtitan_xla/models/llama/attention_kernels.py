@@ -52,10 +52,11 @@ def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) 
             block.attention.sdpa = BlockwiseCausalAttention()
         logger.info("Attention: blockwise causal (4 query blocks)")
         return
-    if not runtime.kernels.attention_kernel_runs(kind, device_type):
+    kernel = runtime.kernels.attention_kernel(kind, device_type)
+    if kernel is None:
         logger.warning(f"[model] attention = {kind!r}: torch_xla's Pallas kernels run only on TPU; "
                        f"this {device_type} run uses sdpa")
         return
     for block in model.layers.values():
         block.attention.sdpa = KernelAttention(kind, mesh)
-    logger.info(f"Attention: the {runtime.backend()} runtime's {kind} attention kernel")
+    logger.info(f"Attention: {kernel}")

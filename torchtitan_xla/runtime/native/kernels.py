@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from torchtitan_xla.runtime.common import python_scan as scan
 
-__all__ = ["attention_kernel_runs", "checkpoint", "check_torchax", "dot_f32", "enable_torch_checkpoint",
+__all__ = ["attention_kernel", "checkpoint", "check_torchax", "dot_f32", "enable_torch_checkpoint",
            "flash_attention", "grouped_mm", "optimization_barrier_", "scan", "scan_layers",
            "splash_attention", "total_norm"]
 
@@ -29,9 +29,9 @@ scan_layers = _xla_only("scan over layers")
 check_torchax = _xla_only("scan over layers")
 
 
-def attention_kernel_runs(kind: str, device_type: str) -> bool:
-    """Whether `[model] attention = kind` (flash or splash) has a kernel on this runtime."""
-    return kind == "flash"
+def attention_kernel(kind: str, device_type: str) -> str | None:
+    """What runs for `[model] attention = kind` (flash or splash) here; None: no such kernel."""
+    return "torch's fused scaled_dot_product_attention" if kind == "flash" else None
 
 
 def flash_attention(q, k, v, *, mesh=None, spec=None, segment_ids=None) -> torch.Tensor:

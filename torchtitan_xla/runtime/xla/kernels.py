@@ -13,9 +13,11 @@ from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.runtime.common import python_scan
 
 
-def attention_kernel_runs(kind: str, device_type: str) -> bool:
-    """Whether `[model] attention = kind` (flash or splash) has a kernel here: TPUs only."""
-    return device_type == "TPU"
+def attention_kernel(kind: str, device_type: str) -> str | None:
+    """What runs for `[model] attention = kind` (flash or splash) here (TPUs only); None: nothing."""
+    if device_type != "TPU":
+        return None
+    return f"torch_xla's Pallas {kind} attention kernel (not verified on TPU by this project)"
 
 
 def flash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
