@@ -380,8 +380,8 @@ def test_moe_checkpoint_reshards_across_expert_parallel_meshes(eight_devices):
      "command line: --moe.top_k = 6: top_k (6) exceeds the 4 experts of the 1 group(s) a token may use"),
     ([*DEEPSEEK, "--moe.topk_groups", "5"], "command line: --moe.topk_groups = 5: topk_groups (5) must be in "
                                             "1..expert_groups (4)"),
-    ([*DEEPSEEK, "--model.attention", "flash"], "command line: --model.attention = 'flash': the Pallas kernels "
-                                                "take values as wide as the queries and keys"),
+    ([*DEEPSEEK, "--model.attention", "flash"], "command line: --model.attention = 'flash': the flash and splash "
+                                                "kernels take values as wide as the queries and keys"),
     ([*MIXTRAL, "--moe.expert_groups", "2"], "command line: --moe.expert_groups = 2: group-limited routing is "
                                              "DeepSeek's (deepseek_v2, deepseek_v3); mixtral debugmodel routes over "
                                              "all its experts"),

@@ -109,10 +109,10 @@ def _model_args(cfg: JobConfig, sources):
 
 def _check_attention(cfg: JobConfig, args, sources) -> None:
     if args.mla and cfg.model.attention in ("flash", "splash"):
-        raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r}: the Pallas "
-                          f"kernels take values as wide as the queries and keys, and the latent attention of "
-                          f"{cfg.model.name} {cfg.model.flavor} has {args.v_dim} against {args.qk_head_dim} "
-                          f"features per head; use sdpa or blockwise")
+        raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r}: the flash "
+                          f"and splash kernels take values as wide as the queries and keys, and the latent "
+                          f"attention of {cfg.model.name} {cfg.model.flavor} has {args.v_dim} against "
+                          f"{args.qk_head_dim} features per head; use sdpa or blockwise")
     _check_context_parallel(cfg, args, sources)
     _check_pipeline_parallel(cfg, args, sources)
 
