@@ -29,8 +29,11 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
     `model_overrides` replace fields of the flavor's ModelArgs (benchmarks and tests use it to vary
     depth or size without adding flavors)."""
+    from torchtitan_xla.goodput import Ledger, so_far
     from torchtitan_xla.utils import GarbageCollection
 
+    # Where the run's time goes (goodput/): from here, before torch's import.
+    ledger = Ledger(time.time())
     # First: Python's automatic collector re-scans every object that torch's import and the model's
     # build create (a quarter of the import's CPU time); the loop collects on its own schedule.
     gc_handler = GarbageCollection(job_config.training.gc_freq)
@@ -113,6 +116,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                           per_device=runtime.PROCESS_PER_DEVICE)
     host_rank, host_count = hosts.rank, hosts.count
     process_group = init_host_group(hosts) if host_count > 1 else None
+    ledger.record("devices")
+    # One writer per job: the first process of the first host.
+    ledger.writer = job_config.metrics.goodput and host_rank == 0 and runtime.process_index() == 0
     if host_count > 1 and runtime.process_count() == 1:
         logger.warning(f"{device_type} backend: the {host_count} processes cannot form one "
                        f"mesh; each trains its own replica on its share of the batch (host ids, "
@@ -204,8 +210,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
             torch.distributed.destroy_process_group()
         logger.info("Seed checkpoint written; exiting")
         return []
-    if not checkpoint.load() and job_config.checkpoint.initial_load_path:
-        load_initial_weights(job_config.checkpoint, model, model_args, mesh, process_group)
+    with ledger.span("restore"):
+        if not checkpoint.load() and job_config.checkpoint.initial_load_path:
+            load_initial_weights(job_config.checkpoint, model, model_args, mesh, process_group)
 
     autocast_dtype = torch.bfloat16 if training.mixed_precision_param == "bfloat16" else None
     # The objective (objectives.py) turns the loss function's per-token losses into the step's
@@ -255,6 +262,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         logger.info("Effective config:\n" + job_config.to_toml())
     makedirs(dump_folder)
     write_text(join(dump_folder, "config.toml"), job_config.to_toml())
+    ledger.open(dump_folder)
     # SIGTERM stops the run after a step every host agrees on, with a checkpoint of that step.
     preemption = Preemption(host_count=host_count, process_group=process_group)
     if job_config.checkpoint.enable:
@@ -337,18 +345,21 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     first_step = train_state.step + 1
     compile_guard = runtime.CompileGuard(first_step, job_config.debug.on_recompile)
     history: list[StepStats] = []
+    goodput_freq = job_config.metrics.goodput_freq if ledger.writer else 0
     logger.info(f"Training steps {first_step}..{training.steps}, global batch {global_batch} x "
                 f"{training.seq_len} tokens ({accumulation_steps} accumulation step(s)), seed {seed}, "
                 f"{job_config.compile.step} step")
     metric_logger.reset_timer(train_state.step)
+    ledger.record("ready", step=first_step)
     with maybe_enable_profiling(job_config) as profiler:
         for step in range(first_step, training.steps + 1):
             if profiler is not None:
                 profiler.step(step)
             gc_handler.run(step)
-            data_start = time.perf_counter()
+            step_start, compile_start = time.time(), runtime.compile_stats()[1]
             batch = Batch.of(next(data_iterator))
-            metric_logger.add_data_wait(time.perf_counter() - data_start)
+            data_wait = time.time() - step_start
+            metric_logger.add_data_wait(data_wait)
             if reference is not None:  # its own graph; the step reads its result as data
                 batch = batch.replace(reference_logps=reference(batch))
             # Every group's lr as one device tensor: the step reads it as data.
@@ -374,9 +385,14 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                         nonfinite_steps=nonfinite_steps,
                         objective=dict(zip(objective.metric_names, named)) | data_loader.metrics() or None))
                 nonfinite.check(step, in_a_row)  # too many in a row: one line, before any save
+            ledger.record("step", step=step, start=step_start, end=time.time(), data=data_wait,
+                          compile=runtime.compile_stats()[1] - compile_start)
+            if goodput_freq and step % goodput_freq == 0:
+                metric_logger.emit(so_far(ledger).scalars(), step)
             if validating:
                 # Its graph compiles at its first two calls, and never again (the guard checks).
-                with compile_guard.allowed() if validator.warming_up else contextlib.nullcontext():
+                with (compile_guard.allowed() if validator.warming_up else contextlib.nullcontext(),
+                      ledger.span("other", what="validation")):
                     result = validator.run()
                 metric_logger.log_validation(step, result)
                 history[-1].validation_loss = result.loss
@@ -384,12 +400,15 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
 
             train_state.step = step
             if saving:
-                last = step == training.steps
+                model_only = step == training.steps and job_config.checkpoint.last_save_model_only
                 with compile_guard.allowed():  # saving compiles small transfer graphs
-                    checkpoint.save(step, model_only=last and job_config.checkpoint.last_save_model_only)
+                    blocked = checkpoint.save(step, model_only=model_only)
+                ledger.record("save", step=step, seconds=blocked)
             if stopping:
                 logger.warning(f"Preempted: stopped after step {step}; re-run the same command to resume")
                 break
+    if ledger.writer:
+        metric_logger.emit(so_far(ledger).scalars(), train_state.step)
     metric_logger.close()
     data_loader.close()
 
@@ -405,6 +424,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
         checkpoint.export_hf(train_state.step, tokenizer)
     if process_group is not None:
         torch.distributed.destroy_process_group()
+    ledger.close(train_state.step)
     logger.info(f"Training completed: {runtime.compile_stats()[0]} compiles in total")
     return history
 

@@ -28,6 +28,20 @@ commit.write_commit = slow_commit
 """
 
 
+# A run killed (SIGKILL) while it saves step $KILL_AT_SAVE, after DCP has written its files and
+# before the commit record: the step is lost, the run resumes from the checkpoint before it.
+KILLED_AT_SAVE = """
+import os, signal
+import torchtitan_xla.checkpoint.commit as commit
+_write_commit = commit.write_commit
+def killed(path, step, contents):
+    if step == int(os.environ["KILL_AT_SAVE"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _write_commit(path, step, contents)
+commit.write_commit = killed
+"""
+
+
 # The parameters loaded into still in flight when the load starts, as train.py's initial sync leaves
 # them (it does not wait): torch_xla's planner then failed on a loaded CI machine ("Trying to access
 # XLA data ... while an async operation is in flight"). Launched behind a second of unrelated

@@ -15,11 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import CKPT, SLOW_SAVE, TWO_BLOCKS, all_tensors, args, run, train_py_two_blocks
-from helpers import REPO, losses_of, tiny_args, train_many, train_process
+from checkpoint_helpers import (
+    CKPT,
+    KILLED_AT_SAVE,
+    SLOW_SAVE,
+    TWO_BLOCKS,
+    all_tensors,
+    args,
+    run,
+    train_py_two_blocks,
+)
+from helpers import REPO, event_scalars, losses_of, tiny_args, train_many, train_process
 
 from torchtitan_xla.checkpoint import COMMIT_FILE, committed_steps, read_model_state
 from torchtitan_xla.config import ConfigError
+from torchtitan_xla.goodput import goodput, read_attempts
 
 
 def _copy_up_to(src: Path, dst: Path, step: int) -> Path:
@@ -210,6 +220,70 @@ def test_sigterm_saves_the_current_step_and_exits_0(straight, tmp_path):
     assert committed_steps(folder / "checkpoint")[-1] == stopped  # saved at the interrupted step
     more, log = run(folder, "--training.local_batch_size", "8", "--training.steps", str(stopped + 2))
     assert min(more) == stopped + 1 and f"step-{stopped}" in log
+    # Goodput: a preempted attempt loses nothing; the second resumed where it stopped.
+    report = goodput(str(folder))
+    assert report.restarts == [(1, stopped, stopped)] and report.wasted_steps == 0
+
+
+def _step_work(events: list[dict], steps) -> float:
+    """The ledger's training time of these steps: each one's span less its data wait and compiles."""
+    return sum(e["end"] - e["start"] - e["data"] - e["compile"] for e in events
+               if e["event"] == "step" and e["step"] in steps)
+
+
+def test_goodput_counts_the_steps_each_kill_wasted_over_three_attempts(tmp_path):
+    """9 steps saved every 3: killed (SIGKILL) while saving step 6, so steps 4-6 are lost and the
+    second attempt resumes after step 3; killed again while saving step 9 (7-9 lost, resumed
+    after 6); the third finishes. `python -m torchtitan_xla.goodput` counts the 6 wasted steps, the
+    kept steps' time as productive, and accounts for all of the time; TensorBoard gets the same."""
+    folder = tmp_path / "g"
+    flags = args(folder, "--training.local_batch_size", "8", "--training.steps", "9", "--metrics.enable_tensorboard")
+    for kill_at in (6, 9):
+        proc = train_process(flags, model_overrides=TWO_BLOCKS, prelude=KILLED_AT_SAVE,
+                             env={"KILL_AT_SAVE": str(kill_at)})
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    _, log = run(folder, "--training.local_batch_size", "8", "--training.steps", "9", "--metrics.enable_tensorboard")
+    assert "Resumed from" in log and "step-6" in log
+    p = subprocess.run([sys.executable, "-m", "torchtitan_xla.goodput", str(folder), "--json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["attempts"] == 3 and report["last_step"] == 9
+    assert report["restarts"] == [[1, 6, 3], [2, 9, 6]] and report["wasted_steps"] == 6
+    first, second, third = read_attempts(str(folder))
+    kept = _step_work(first, range(1, 4)) + _step_work(second, range(4, 7)) + _step_work(third, range(7, 10))
+    wasted = _step_work(first, range(4, 7)) + _step_work(second, range(7, 10))
+    assert report["productive"] == pytest.approx(kept, rel=1e-9)
+    assert report["badput"]["wasted progress"] == pytest.approx(wasted, rel=1e-9)
+    assert report["productive"] + sum(report["badput"].values()) == pytest.approx(report["total"], abs=1e-6)
+    assert all(report["badput"][k] > 0 for k in ("initialization", "checkpoint restore", "compile",
+                                                 "checkpoint save", "between attempts"))
+    # Each attempt's TensorBoard run ends with the goodput so far; the last one's is the report's,
+    # but for the few seconds between that write and the run's end.
+    scalars = event_scalars(sorted((folder / "tb").iterdir())[-1])
+    assert scalars["goodput/wasted_steps"][-1] == (9, 6)
+    assert scalars["goodput/goodput(%)"][-1][1] == pytest.approx(100 * report["goodput"], abs=2)
+
+
+def test_a_run_without_restarts_wastes_nothing_and_a_cut_ledger_line_is_skipped(straight, tmp_path):
+    folder, _, _ = straight
+    report = goodput(str(folder))
+    assert report.attempts == 1 and report.restarts == [] and report.wasted_steps == 0
+    assert report.badput["wasted progress"] == 0 and report.last_step == 6 and 0 < report.goodput < 1
+    # A process killed while writing an event leaves part of a line: the reader skips it, and keeps
+    # every line before it.
+    ledger = next((folder / "goodput").glob("attempt-*.jsonl"))
+    copy = tmp_path / "cut" / "goodput"
+    copy.mkdir(parents=True)
+    text = ledger.read_text()
+    (copy / ledger.name).write_text(text + text.splitlines()[-2][:25])
+    assert read_attempts(str(copy.parent)) == read_attempts(str(folder))
+    p = subprocess.run([sys.executable, "-m", "torchtitan_xla.goodput", str(tmp_path / "none")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr == (f"error: {tmp_path / 'none'}: no goodput ledger (goodput/attempt-*.jsonl); is it a "
+                        f"run's [job] dump_folder, run with [metrics] goodput = true?\n")
 
 
 def _truncate_data(step_dir: Path) -> None:

@@ -21,6 +21,7 @@ from helpers import REPO, capture_logs, event_scalars, tiny_args
 
 from torchtitan_xla import metrics, peak_flops
 from torchtitan_xla.config import ConfigError, parse_args
+from torchtitan_xla.goodput import BADPUT
 
 SEQ_LEN = 32  # no other in-process test uses it, so the graph compile counts here are our own
 TB_ARGS = ("--training.seq_len", str(SEQ_LEN), "--training.steps", "6", "--metrics.log_freq", "2")
@@ -63,6 +64,14 @@ def runs(tmp_path_factory, xla_device):
 def test_tensorboard_scalars_are_the_logged_values(runs):
     history, *_ = runs["on"]
     scalars = event_scalars(runs["tb_dir"])
+    # Goodput (docs/metrics.md) once, at the end of the run: its share of the time, and each badput's.
+    goodput = {tag: scalars.pop(tag) for tag in list(scalars) if tag.startswith("goodput/")}
+    assert set(goodput) == {"goodput/goodput(%)", "goodput/wasted_steps", *(
+        f"goodput/badput_{name.replace(' ', '_')}(%)" for name in BADPUT)}
+    assert all([s for s, _ in points] == LOG_STEPS[-1:] for points in goodput.values())
+    assert 0 < goodput["goodput/goodput(%)"][0][1] < 100 and goodput["goodput/wasted_steps"][0][1] == 0
+    assert sum(v for tag, [(_, v)] in goodput.items() if "badput" in tag) == pytest.approx(
+        100 - goodput["goodput/goodput(%)"][0][1], abs=1e-3)
     assert {"loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr",
             "loss_metrics/nonfinite_steps", "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)",
             "time_metrics/data_loading(s)", "time_metrics/data_loading(%)", "xla/num_compiles",

@@ -220,7 +220,7 @@ class MetricLogger:
                        **{f"validation/{name}": value for name, value in result.metrics.items()}}
             logger.info(f"{c.cyan}validation: step {step:>5}  {c.green}reward: {result.metrics['reward']:.3f}"
                         f"{c.reset}  ({result.batches} prompts, {result.seconds:.1f}s)")
-            self._emit(scalars, step)
+            self.emit(scalars, step)
             return
         if result.metrics:  # a preference objective's loss: no perplexity
             shown = (f"accuracy: {result.metrics['rewards/accuracies']:.2f}  "
@@ -232,9 +232,10 @@ class MetricLogger:
         logger.info(f"{c.cyan}validation: step {step:>5}  {c.green}loss: {result.loss:8.4f}  "
                     f"{shown}{c.reset}  ({result.batches} batches, {result.tokens:,} tokens, "
                     f"{result.seconds:.1f}s)")
-        self._emit(scalars, step)
+        self.emit(scalars, step)
 
-    def _emit(self, scalars: dict[str, float], step: int) -> None:
+    def emit(self, scalars: dict[str, float], step: int) -> None:
+        """The same scalars to every sink (TensorBoard, W&B)."""
         for sink in self.sinks:
             sink.write(scalars, step)
 
@@ -287,7 +288,7 @@ class MetricLogger:
             scalars.update(zip(("moe/aux_loss", "moe/z_loss", "moe/dropped(%)", "moe/load_max_over_min"),
                                (s.router[0], s.router[1], 100 * s.router[2], s.router[3])))
         scalars.update(s.objective or {})
-        self._emit(scalars, s.step)
+        self.emit(scalars, s.step)
 
     def close(self) -> None:
         for sink in self.sinks:

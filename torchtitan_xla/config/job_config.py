@@ -303,6 +303,12 @@ class Metrics:
     peak_flops: float | None = opt(
         None, "Peak FLOP/s of one device, for MFU. Unset: the bf16 peak of the TPU generation "
         "(v4, v5e, v5p, v6e, v7); on other devices MFU is n/a.", gt=0)
+    goodput: bool = opt(
+        True, "Record where the run's time goes (start-up, compiles, data waits, checkpoints, "
+        "steps) in <dump_folder>/goodput/, one file per attempt; `python -m torchtitan_xla.goodput "
+        "DUMP_FOLDER` reports goodput over all attempts, and it goes to TensorBoard at the end.")
+    goodput_freq: int = opt(
+        0, "Also write goodput to TensorBoard every this many steps (0: only at the end).", ge=0)
 
 
 @dataclass

@@ -155,10 +155,13 @@ def initialising() -> Iterator[None]:
 
 
 def compile_stats() -> tuple[int, float]:
-    """(graphs torch.compile has compiled in this process, their compile seconds)."""
-    from torch._dynamo.utils import counters
+    """(graphs torch.compile has compiled in this process, their compile seconds: dynamo's frames
+    with their forward graphs, and the backward graphs AOTAutograd compiles at their first call)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return int(counters["stats"]["unique_graphs"]), 0.0
+    seconds = sum(sum(times) for key, times in compilation_time_metrics.items()
+                  if key == "_compile.compile_inner" or key.endswith("bw_compiler"))
+    return int(counters["stats"]["unique_graphs"]), seconds
 
 
 def metrics_report() -> str:
