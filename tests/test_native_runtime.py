@@ -26,6 +26,7 @@ from native_helpers import EAGER, close, native_jobs
 from test_grpo import GRPO_FLAGS, SMALL, _log_rewards
 
 from torchtitan_xla.checkpoint import committed_steps
+from torchtitan_xla.goodput import read_attempts
 
 EXPORT = ["--checkpoint.last_save_in_hf", "true"]  # after the last step, into checkpoint/step-10-hf
 SYNTHETIC = ["--training.dataset", "synthetic", "--training.global_batch_size", "8"]
@@ -415,6 +416,12 @@ def test_the_step_compiled_whole_gives_the_eager_losses_and_compiles_nothing_aft
     compiles = {int(s): int(n) for s, n in COMPILES.findall(run["log"])}
     assert len(compiles) == 20 and compiles[1] > 0, compiles
     assert len(set(c for s, c in compiles.items() if s >= 2)) == 1, compiles
+    # The goodput ledger (process 0's) has every step, and the compile seconds the runtime reports
+    # (dynamo's and AOTAutograd's) at the first two steps only.
+    [attempt] = read_attempts(str(run["folder"]))
+    compiled = {e["step"]: e["compile"] for e in attempt if e["event"] == "step"}
+    assert sorted(compiled) == list(range(1, 21)) and compiled[1] > 1
+    assert not any(seconds for step, seconds in compiled.items() if step > 2), compiled
 
 
 def test_the_step_compiled_whole_dispatches_a_handful_of_programs(one_process):

@@ -121,6 +121,32 @@ def test_s3_resume_reshards_4_to_8_devices_past_a_step_without_its_record(s3, tm
         assert committed_steps(url) == [3, 6]
 
 
+def test_the_goodput_ledger_in_a_bucket_is_rewritten_whole_and_read_back(gcs):
+    """A dump folder in a bucket: an object store cannot append, so an attempt's object is
+    rewritten whole at each save, at the end, and at most every 30 s between; the report reads it
+    back as it reads a local folder."""
+    from torchtitan_xla.goodput import Ledger, goodput, read_attempts
+
+    url = f"gs://{GCS_BUCKET}/ledger"
+    with environment(gcs):
+        t = time.time()
+        ledger = Ledger(t - 10)
+        ledger.record("devices", t=t - 8)
+        ledger.open(url)
+        ledger.record("ready", t=t - 5, step=1)
+        ledger.record("step", t=t - 3, step=1, start=t - 5, end=t - 3, data=0.5, compile=1.0)
+        ledger.record("save", t=t - 2, step=1, seconds=1.0)
+        assert [e["event"] for e in read_attempts(url)[0]] == ["start", "devices", "ready", "step", "save"]
+        ledger.record("step", t=t - 1, step=2, start=t - 2, end=t - 1, data=0.0, compile=0.0)
+        assert len(read_attempts(url)[0]) == 5  # within 30 s of the last write: not yet
+        ledger.close(2)
+        report = goodput(url)
+    assert report.attempts == 1 and report.last_step == 2 and report.restarts == []
+    assert report.productive == pytest.approx(0.5 + 1.0) and report.badput["compile"] == pytest.approx(1.0)
+    assert report.badput["initialization"] == pytest.approx(2.0)
+    assert report.productive + sum(report.badput.values()) == pytest.approx(report.total)
+
+
 def test_a_bucket_checkpoint_is_read_in_merged_ranges_one_request_each(gcs, monkeypatch):
     """The reader's ranges made small (a range holds two items): every tensor comes back exact,
     with one request per range; a load of two far-apart tensors reads only their two ranges."""
