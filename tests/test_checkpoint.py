@@ -266,6 +266,31 @@ def test_goodput_counts_the_steps_each_kill_wasted_over_three_attempts(tmp_path)
     assert scalars["goodput/goodput(%)"][-1][1] == pytest.approx(100 * report["goodput"], abs=2)
 
 
+def test_a_ledger_that_cannot_be_written_stops_recording_not_training(tmp_path):
+    """A full disk (or a lost bucket) under the ledger: one warning, no more events, no error."""
+    import logging
+    import time
+
+    from helpers import capture_logs
+
+    from torchtitan_xla.goodput import Ledger
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    ledger = Ledger(time.time())
+    ledger.open(str(tmp_path))
+    ledger._file = FullDisk()
+    with capture_logs() as log:
+        ledger.record("ready", step=1)
+        ledger.record("step", step=1, start=0.0, end=1.0, data=0.0, compile=0.0)
+    [warning] = log.messages(logging.WARNING)
+    assert warning == (f"goodput ledger {ledger.path}: [Errno 28] No space left on device; no more "
+                       f"events are recorded")
+    assert not ledger.writer and [e["event"] for e in read_attempts(str(tmp_path))[0]] == ["start"]
+
+
 def test_a_run_without_restarts_wastes_nothing_and_a_cut_ledger_line_is_skipped(straight, tmp_path):
     folder, _, _ = straight
     report = goodput(str(folder))

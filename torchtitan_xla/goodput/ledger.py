@@ -24,6 +24,7 @@ import uuid
 from contextlib import contextmanager
 
 from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.logging import logger
 from torchtitan_xla.storage import is_url, join, listdir, makedirs, read_text, write_text
 
 LEDGER_FOLDER = "goodput"
@@ -85,20 +86,24 @@ class Ledger:
             self.record(event, seconds=time.time() - start, **fields)
 
     def _write(self, entries: list[dict], *, force: bool) -> None:
-        if self._file is not None:
-            # One write per event: a kill leaves every earlier line whole (no fsync: the page cache
-            # outlives the process; only the machine's crash could lose them).
-            self._file.write("".join(json.dumps(e) + "\n" for e in entries))
-            self._file.flush()
-        elif force or time.time() - self._flushed >= BUCKET_FLUSH_S:
-            write_text(self.path, "".join(json.dumps(e) + "\n" for e in self.events))
-            self._flushed = time.time()
+        try:
+            if self._file is not None:
+                # One write per event: a kill leaves every earlier line whole (no fsync: the page
+                # cache outlives the process; only the machine's crash could lose them).
+                self._file.write("".join(json.dumps(e) + "\n" for e in entries))
+                self._file.flush()
+            elif force or time.time() - self._flushed >= BUCKET_FLUSH_S:
+                write_text(self.path, "".join(json.dumps(e) + "\n" for e in self.events))
+                self._flushed = time.time()
+        except OSError as e:  # a full disk or a lost bucket must not stop the training
+            logger.warning(f"goodput ledger {self.path}: {e}; no more events are recorded")
+            self.writer, self._file = False, None
 
     def close(self, step: int) -> None:
         self.record("end", step=step)
         if self._file is not None:
             self._file.close()
-            self._file = None
+        self.writer, self._file = False, None  # nothing after the end
 
 
 def read_attempts(dump_folder: str, *, missing_ok: bool = False) -> list[list[dict]]:

@@ -92,13 +92,12 @@ def compute(attempts: list[list[dict]]) -> Report:
                 name = {"restore": "checkpoint restore", "save": "checkpoint save", "other": "other"}[kind]
                 r.badput[name] += e["seconds"]
                 accounted += e["seconds"]
-        ready = first.get("ready")
-        if ready is not None:
-            restore = sum(e["seconds"] for e in events if e["event"] == "restore")
-            r.badput["preparation"] += ready["t"] - devices["t"] - restore
-            accounted += ready["t"] - devices["t"] - restore
-        # The rest of the attempt: between steps, after the last one (closing, exports), or after
-        # the devices came up for an attempt that never reached its first step.
+        # Preparation: until the first step, or the attempt's end if it never reached one.
+        ready = first.get("ready", {"t": stop})
+        restore = sum(e["seconds"] for e in events if e["event"] == "restore")
+        r.badput["preparation"] += max(ready["t"] - devices["t"] - restore, 0.0)
+        accounted += max(ready["t"] - devices["t"] - restore, 0.0)
+        # The rest of the attempt: between steps, and after the last one (closing, exports).
         r.badput["other"] += max(stop - start - accounted, 0.0)
         if i + 1 < len(attempts):
             r.badput["between attempts"] += attempts[i + 1][0]["t"] - stop
