@@ -304,11 +304,15 @@ def test_a_run_without_restarts_wastes_nothing_and_a_cut_ledger_line_is_skipped(
     text = ledger.read_text()
     (copy / ledger.name).write_text(text + text.splitlines()[-2][:25])
     assert read_attempts(str(copy.parent)) == read_attempts(str(folder))
-    p = subprocess.run([sys.executable, "-m", "torchtitan_xla.goodput", str(tmp_path / "none")], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
-    assert (p.returncode, p.stdout) == (2, "")
-    assert p.stderr == (f"error: {tmp_path / 'none'}: no goodput ledger (goodput/attempt-*.jsonl); is it a "
-                        f"run's [job] dump_folder, run with [metrics] goodput = true?\n")
+    # No ledger, or only an attempt killed before its first line was whole: one line, exit 2.
+    (tmp_path / "empty" / "goodput").mkdir(parents=True)
+    (tmp_path / "empty" / "goodput" / "attempt-20261201T000000-1-0.jsonl").write_text('{"event": "st')
+    for where in (tmp_path / "none", tmp_path / "empty"):
+        p = subprocess.run([sys.executable, "-m", "torchtitan_xla.goodput", str(where)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert (p.returncode, p.stdout) == (2, "")
+        assert p.stderr == (f"error: {where}: no goodput ledger (goodput/attempt-*.jsonl); is it a "
+                            f"run's [job] dump_folder, run with [metrics] goodput = true?\n")
 
 
 def _truncate_data(step_dir: Path) -> None:

@@ -5,12 +5,13 @@ record. `python -m torchtitan_xla.goodput DUMP_FOLDER` adds the attempts up (rep
 Each line is one JSON event with its wall-clock time "t" (seconds since the epoch):
   start    train.main began (before torch's import)
   devices  the devices and process groups are up
-  restore  a checkpoint or initial weights were read: "seconds", "step" (the step it resumes after)
-  ready    the first step starts: "step", its number
+  restore  reading the checkpoint resumed from, or the initial weights: "seconds"
+  ready    the first step starts: "step", its number (so the step this attempt resumed after)
   step     one training step: "step", "start", "end", "data" (seconds waiting for its batch),
            "compile" (seconds compiling)
   save     a checkpoint's blocking part: "step", "seconds"
-  other    validation, evaluation, exports: "what", "seconds"
+  other    validation: "what", "seconds" (the end's evaluation and exports lie between the last
+           step and "end")
   end      the run returned: "step", the last step
 A process killed while writing leaves at most its last line incomplete; the reader skips it.
 """
@@ -110,14 +111,14 @@ def read_attempts(dump_folder: str, *, missing_ok: bool = False) -> list[list[di
     """Each attempt's events, oldest attempt first. A line cut short by a kill is skipped."""
     folder = join(dump_folder, LEDGER_FOLDER)
     names = [n for n in listdir(folder) if n.startswith("attempt-") and n.endswith(".jsonl")]
-    if not names and not missing_ok:
-        raise ConfigError(f"{dump_folder}: no goodput ledger ({LEDGER_FOLDER}/attempt-*.jsonl); is it "
-                          f"a run's [job] dump_folder, run with [metrics] goodput = true?")
     attempts = []
     for n in names:
         events = _parse(read_text(join(folder, n)))
         if events and events[0]["event"] == "start":
             attempts.append(events)
+    if not attempts and not missing_ok:
+        raise ConfigError(f"{dump_folder}: no goodput ledger ({LEDGER_FOLDER}/attempt-*.jsonl); is it "
+                          f"a run's [job] dump_folder, run with [metrics] goodput = true?")
     return sorted(attempts, key=lambda events: events[0]["t"])
 
 

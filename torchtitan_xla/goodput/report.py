@@ -1,4 +1,4 @@
-"""Goodput over every attempt of a run, from its ledger (goodput/__init__.py): the share of the
+"""Goodput over every attempt of a run, from its ledger (ledger.py): the share of the
 time from the first attempt's start to the last one's last event that went into training steps
 that were kept, and where the rest went (MaxText's ml-goodput-measurement categories, named for
 this trainer). A step is kept unless a later attempt resumed from a checkpoint before it: then
