@@ -31,7 +31,8 @@ def test_cpu_malloc_env_leaves_the_users_variables_alone(monkeypatch):
         assert cpu_malloc_env({"LD_PRELOAD": preload}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
-REGION, WIDE = "--xla_cpu_copy_insertion_use_region_analysis=true", "--xla_cpu_prefer_vector_width=512"
+REGION = "--xla_cpu_copy_insertion_use_region_analysis=true --xla_cpu_use_xnnpack=false"
+WIDE = "--xla_cpu_prefer_vector_width=512"
 
 
 def test_cpu_xla_flags_add_ours_unless_named_and_wide_vectors_only_with_avx512():
@@ -42,7 +43,9 @@ def test_cpu_xla_flags_add_ours_unless_named_and_wide_vectors_only_with_avx512()
     assert (cpu_xla_flags("--xla_cpu_prefer_vector_width=256", {"avx512f"})
             == f"--xla_cpu_prefer_vector_width=256 {REGION}")
     assert (cpu_xla_flags("--xla_cpu_copy_insertion_use_region_analysis=false", set())
-            == "--xla_cpu_copy_insertion_use_region_analysis=false")
+            == "--xla_cpu_copy_insertion_use_region_analysis=false --xla_cpu_use_xnnpack=false")
+    assert (cpu_xla_flags("--xla_cpu_use_xnnpack=true", set())
+            == "--xla_cpu_use_xnnpack=true --xla_cpu_copy_insertion_use_region_analysis=true")
 
 
 def test_cpu_xla_flags_prefer_no_wide_vectors_where_the_users_isa_cap_is_below_avx512():

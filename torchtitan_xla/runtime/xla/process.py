@@ -102,12 +102,15 @@ def cpu_xla_flags(xla_flags: str, cpu_features: set[str]) -> str:
 
     - Copy insertion with region analysis: fewer copies around the in-place updates of the donated
       parameter and optimizer buffers. No number changes.
+    - No XNNPACK: with it (XLA CPU's default) the replayed step, whose state buffers are donated and
+      updated in place, computed wrong losses from its second update on for Qwen3 and Mixtral on a
+      Zen 3 EPYC (docs/runtime.md). XLA's own kernels are as fast here (docs/performance.md).
     - 512-bit vectors for XLA's own kernels where the CPU has AVX-512 (LLVM prefers 256-bit);
       reductions vectorise in another order, so floats can differ in the last bit. Not where the
       user's `--xla_cpu_max_isa` caps XLA below AVX-512 (an AVX2-only host emulated): LLVM would
       still vectorise 16 floats wide, in two 256-bit halves, and sum in the AVX-512 host's order.
     """
-    ours = {"xla_cpu_copy_insertion_use_region_analysis": "true"}
+    ours = {"xla_cpu_copy_insertion_use_region_analysis": "true", "xla_cpu_use_xnnpack": "false"}
     if "avx512f" in cpu_features and not _isa_capped_below_avx512(xla_flags):
         ours["xla_cpu_prefer_vector_width"] = "512"
     added = [f"--{name}={value}" for name, value in ours.items() if f"--{name}=" not in xla_flags]
