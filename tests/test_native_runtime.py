@@ -189,6 +189,9 @@ def two_processes(seed, tmp_path_factory) -> dict:
                       "--training.local_batch_size", "4", *ADAM_EPS, *NO_RECOMPILES],
             "accumulation": [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
                              "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
+    jobs["offload"] = [*EAGER, *from_seed(seed, steps=4), "--training.local_batch_size", "4",
+                       "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full",
+                       "--activation_checkpoint.offload", "decoder_layer_input"]
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2", "--model.attention", "flash"]
     jobs["grpo"] = [*EAGER, *grpo_job(seed), "--parallelism.tensor_parallel_degree", "2"]
@@ -345,6 +348,59 @@ def test_gradient_accumulation_and_activation_checkpointing_keep_the_one_process
     assert "2 accumulation step(s)" in run["log"] and "Activation checkpointing: full" in run["log"]
     close(run["losses"], one["losses"], rtol=1e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
+
+
+def test_offloaded_block_inputs_keep_the_one_process_losses(one_process, two_processes):
+    """`offload = ["decoder_layer_input"]` (torch's reentrant checkpoint, its saved block inputs
+    through the host hooks) on tp=2 with two microbatches: the one-process losses, as the
+    accumulation job above."""
+    run, one = two_processes["offload"], one_process["mesh"]
+    assert "Activation checkpointing: full, offloaded to the host: decoder_layer_input" in run["log"]
+    first_four = {str(step) for step in range(1, 5)}
+    close(run["losses"], {k: v for k, v in one["losses"].items() if str(k) in first_four}, rtol=1e-6)
+    close(run["grad_norms"], {k: v for k, v in one["grad_norms"].items() if str(k) in first_four}, rtol=1e-6)
+
+
+def test_offload_moves_exactly_each_blocks_input_and_keeps_the_gradients(monkeypatch):
+    """In one process: with offload, the tensors autograd keeps through the host hooks are the 4
+    blocks' inputs ([2, 16, 64] float32: 32 KiB in all, none of them twice), and the gradients are
+    full checkpointing's and no checkpointing's, bit for bit."""
+    import torch
+
+    from torchtitan_xla import runtime
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.models.llama import ModelArgs, Transformer
+    from torchtitan_xla.parallelisms.activation_checkpoint import apply_ac
+    from torchtitan_xla.runtime.native import kernels
+
+    monkeypatch.setattr(runtime, "_backend", "native")
+    offloaded = []
+    offload = kernels._offload
+    monkeypatch.setattr(kernels, "_offload", lambda t: offloaded.append(t) or offload(t))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for name, flags in {"none": [], "full": ["full"], "offload": ["full", "decoder_layer_input"]}.items():
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, vocab_size=64, multiple_of=32,
+                                      max_seq_len=16))
+        model.init_weights()
+        argv = [f"--activation_checkpoint.{k}" for k in ("mode", "offload")][:len(flags)]
+        apply_ac(model, parse_args([x for pair in zip(argv, flags) for x in pair]).activation_checkpoint)
+        inputs = []
+        for block in model.layers.values():
+            block.register_forward_pre_hook(lambda _, args, inputs=inputs: inputs.append(args[0]))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+        if name == "offload":
+            assert [t.shape for t in offloaded] == [torch.Size([2, 16, 64])] * 4
+            assert sum(t.numel() * t.element_size() for t in offloaded) == 4 * 2 * 16 * 64 * 4
+            assert all(any(t is i for i in inputs) for t in offloaded)
+            assert len({id(t) for t in offloaded}) == 4
+        else:
+            assert offloaded == []
+    for name in ("full", "offload"):
+        assert all(torch.equal(grads[name][n], g) for n, g in grads["none"].items()), name
 
 
 def test_qwen3_with_its_tied_embedding_on_tp2_gives_the_one_process_losses(one_process, two_processes):
@@ -723,6 +779,9 @@ BAD = [
     (["--compile.step", "lazy"], r"--compile\.step = \"lazy\" is torch_xla's; with \[runtime\] backend"),
     (["--compile.scan_layers"], r"--compile\.scan_layers = True is not available with \[runtime\] backend"),
     (["--moe.grouped_mm", "--model.name", "mixtral"], r"--moe\.grouped_mm = True is not available with \[runtime\] backend.*Pallas"),
+    (["--activation_checkpoint.mode", "full", "--activation_checkpoint.offload", "decoder_layer_input"],
+     r"--activation_checkpoint\.offload = \['decoder_layer_input'\] runs with \[compile\] step = \"eager\" on the "
+     r"native runtime, not 'compile': .* reentrant one, which torch.compile cannot trace"),
 ]
 
 

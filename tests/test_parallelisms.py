@@ -33,6 +33,9 @@ MESHES = {
 ONE_DEVICE = {
     "none": ["--training.local_batch_size", "8"],
     "full": ["--training.local_batch_size", "8", AC + "mode", "full"],
+    # Each block's input kept on the host (the XLA CPU backend leaves it in place: the same graph).
+    "full_offload": ["--training.local_batch_size", "8", AC + "mode", "full", AC + "offload",
+                     "decoder_layer_input"],
     "selective_2": ["--training.local_batch_size", "8", AC + "mode", "selective",
                     AC + "selective_ac_option", "2"],
     "selective_op": ["--training.local_batch_size", "8", AC + "mode", "selective",
@@ -150,7 +153,7 @@ def test_sharding_strings_match_the_reference_layouts(eight_devices):
 def test_activation_checkpointing_scan_and_accumulation_keep_the_losses(mode, one_device):
     reference = one_device["none"]["losses"]
     losses = one_device[mode]["losses"]
-    if mode in ("full", "selective_2", "selective_op"):
+    if mode in ("full", "full_offload", "selective_2", "selective_op"):
         assert losses == reference  # recomputation is bit-identical here
     elif mode == "flash_on_cpu":
         assert losses == one_device["sdpa"]["losses"]  # the fallback is exactly sdpa
@@ -257,6 +260,56 @@ def test_checkpointing_recomputes_inside_an_optimization_barrier(xla_device):
     assert rsqrt[("selective", "op")] == base + 8  # norms are recomputed, not saved
 
 
+_OFFLOADED_STEP = """
+import glob, json, os, sys
+sys.path.insert(0, {repo!r})
+import torch, torch_xla
+from torchtitan_xla.config import parse_args
+from torchtitan_xla.models.llama import ModelArgs, Transformer
+from torchtitan_xla.parallelisms.activation_checkpoint import apply_ac
+model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, vocab_size=64, multiple_of=32, max_seq_len=16))
+model.init_weights()
+model.to(torch_xla.device())
+apply_ac(model, parse_args(sys.argv[1:]).activation_checkpoint)
+tokens = torch.randint(0, 64, (2, 16)).to(torch_xla.device())
+loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+loss.backward()
+outputs = [loss] + [p.grad for p in model.parameters()]
+print("TRACED " + json.dumps(torch_xla._XLAC._get_xla_tensors_hlo(outputs)), flush=True)
+torch_xla._XLAC._xla_warm_up_cache(outputs, [])  # compiles, never runs
+"""
+
+
+def _placements(hlo: str) -> list[tuple[str, str]]:
+    """(shape, placement) of each host-offload custom call in `hlo`, in order."""
+    import re
+
+    return re.findall(r"= (\w+\[[\d,]*\])\S* custom-call\([^)]*\), "
+                      r"custom_call_target=\"annotate_device_placement\".*?_xla_buffer_placement=\"(\w+)\"", hlo)
+
+
+def test_offloaded_block_inputs_carry_host_placements_in_the_optimized_hlo(tmp_path):
+    """`offload = ["decoder_layer_input"]`: each of the 4 blocks' input ([2, 16, 64]) goes to pinned
+    host memory after the forward pass and comes back to the device for the recomputation, and
+    nothing else does, in the graph torch_xla traces and in the HLO XLA optimizes from it. XLA's CPU
+    compiler keeps the custom calls (it has no host-offload pass) and then aborts the process while
+    compiling them, after writing its optimized HLO: so only that is read (runs on the CPU leave the
+    values in place: the "full_offload" losses above)."""
+    from torchtitan_xla.runtime.xla.kernels import PLACE_ON_CPU_BACKEND
+
+    dump = tmp_path / "dump"
+    env = _env(1, {PLACE_ON_CPU_BACKEND: "1", "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    p = subprocess.run([sys.executable, "-c", _OFFLOADED_STEP.format(repo=str(REPO)), AC + "mode", "full",
+                        AC + "offload", "decoder_layer_input"], capture_output=True, text=True, env=env)
+    traced = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("TRACED "))[7:])
+    expected = [("f32[2,16,64]", "pinned_host")] * 4 + [("f32[2,16,64]", "device")] * 4
+    assert sorted(_placements(traced), key=lambda c: c[1], reverse=True) == expected, p.stderr[-2000:]
+    optimized = [f.read_text() for f in dump.glob("*after_optimizations.txt")]
+    assert len(optimized) == 1, (p.returncode, p.stderr[-2000:])
+    placements = _placements(optimized[0])
+    assert sorted(placements, key=lambda c: c[1], reverse=True) == expected
+
+
 # ---- plans and validation ---------------------------------------------------------------------
 
 
@@ -331,6 +384,11 @@ def test_model_and_batch_checks():
     ([AC + "selective_ac_option", "every2"], r"selective_ac_option = 'every2': expected 'op' or a positive integer N"),
     (["--compile.scan_layers", AC + "mode", "full"], r"scan_layers = true cannot be combined with \[activation_checkpoint\] mode = 'full'"),
     (["--training.global_batch_size", "0"], r"global_batch_size = 0: must be -1 \(no accumulation\) or > 0"),
+    ([AC + "offload", "qkv_proj"], r"--activation_checkpoint.offload: expected one of decoder_layer_input, got 'qkv_proj'"),
+    ([AC + "offload", "decoder_layer_input"], r"offload = \['decoder_layer_input'\] needs \[activation_checkpoint\] "
+     r"mode = \"full\" \(each block recomputed from its offloaded input\), not 'selective'"),
+    ([AC + "offload", "decoder_layer_input", AC + "mode", "full", P + "pipeline_parallel_degree", "2"],
+     r"cannot be combined with \[parallelism\] pipeline_parallel_degree = 2: the pipeline stages"),
 ])
 def test_bad_parallelism_options(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -32,6 +32,8 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"[activation_checkpoint] mode = {ac.mode!r}"
             + (f", selective_ac_option = {ac.selective_ac_option!r}" if ac.mode == "selective" else "")
             + ": under scan use mode 'none' or selective 'op'")
+    if ac.offload:
+        _check_offload(cfg, sources)
     if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
         raise ConfigError(
             f"{sources.describe('training', 'global_batch_size')} = "
@@ -77,6 +79,19 @@ def check_combinations(cfg: JobConfig, sources) -> None:
     _check_moe(cfg, args, sources)
     _check_attention(cfg, args, sources)
     _check_runtime(cfg, sources)
+
+
+def _check_offload(cfg: JobConfig, sources) -> None:
+    """Host offload of a block's input: the block is recomputed from it, by the per-block checkpoint."""
+    ac, where = cfg.activation_checkpoint, sources.describe("activation_checkpoint", "offload")
+    if ac.mode != "full":
+        raise ConfigError(f"{where} = {ac.offload!r} needs [activation_checkpoint] mode = \"full\" (each "
+                          f"block recomputed from its offloaded input), not {ac.mode!r}")
+    stages = cfg.parallelism.pipeline_parallel_degree
+    if stages > 1:  # (scan refuses mode full itself)
+        raise ConfigError(f"{where} = {ac.offload!r} cannot be combined with [parallelism] "
+                          f"pipeline_parallel_degree = {stages}: the pipeline stages checkpoint their "
+                          f"layers themselves")
 
 
 def _model_args(cfg: JobConfig, sources):
@@ -214,6 +229,11 @@ def _check_runtime(cfg: JobConfig, sources) -> None:
                           f"[runtime] backend = \"native\" use compile, blocks or eager")
     if step == "replay":  # the default, one compiled step: torch.compile here
         cfg.compile.step = "compile"
+    if cfg.activation_checkpoint.offload and cfg.compile.step != "eager":
+        raise ConfigError(f"{sources.describe('activation_checkpoint', 'offload')} = "
+                          f"{cfg.activation_checkpoint.offload!r} runs with [compile] step = \"eager\" on "
+                          f"the native runtime, not {cfg.compile.step!r}: the checkpoint whose saved input "
+                          f"goes to the host is a reentrant one, which torch.compile cannot trace")
     refusal = native_refusal(cfg)
     if refusal:
         section, key, value, why = refusal

@@ -105,6 +105,11 @@ class ActivationCheckpoint:
         "2", "For mode selective: an integer N checkpoints every N-th block; 'op' keeps the "
         "outputs of the weight matmuls and recomputes everything else (norms, RoPE, attention "
         "scores, activations).")
+    offload: list[Literal["decoder_layer_input"]] = opt(
+        [], "Activations kept in the host's memory between the forward and backward passes: "
+        "decoder_layer_input (each block's input, from which mode full recomputes the block). XLA: "
+        "torch_xla's place_to_host / place_to_device (the XLA CPU backend leaves values in place); "
+        "native: pinned host memory, with [compile] step = eager.")
 
 
 @dataclass

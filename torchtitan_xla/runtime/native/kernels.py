@@ -10,11 +10,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from torchtitan_xla.runtime import common
 from torchtitan_xla.runtime.common import python_scan as scan
 
 __all__ = ["attention_kernel", "checkpoint", "check_torchax", "dot_f32", "enable_torch_checkpoint",
-           "flash_attention", "grouped_mm", "optimization_barrier_", "scan", "scan_layers",
-           "splash_attention", "total_norm"]
+           "flash_attention", "grouped_mm", "offload_checkpoint", "optimization_barrier_", "scan",
+           "scan_layers", "splash_attention", "total_norm"]
 
 
 def _xla_only(name: str):
@@ -82,6 +83,45 @@ def checkpoint(fn: Callable, *args):
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+def offload_checkpoint(fn: Callable, *args):
+    """`checkpoint(fn, *args)` with the first argument (the block's input) kept in the host's memory
+    for the backward pass. torch's reentrant checkpoint: it saves its inputs with
+    `save_for_backward`, which saved-tensor hooks see (the non-reentrant one keeps them in its own
+    closure). Reentrant checkpointing is not traceable by torch.compile, hence step eager only
+    (config/checks.py)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    with common.saved_on_host(args[0], _offload, _restore):
+        return torch_checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=False)
+
+
+def _offload(t: torch.Tensor):
+    """A copy of `t` (of its local block, for a DTensor) in host memory, pinned so that the copy runs
+    beside the compute, with what brings it back; on the CPU `t` is already on the host."""
+    from torch.distributed.tensor import DTensor
+
+    if t.device.type == "cpu":
+        return None, t
+    local = t.to_local() if isinstance(t, DTensor) else t
+    host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=True)
+    layout = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+    return (local.device, layout), host.copy_(local, non_blocking=True)
+
+
+def _restore(saved) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    where, t = saved
+    if where is None:
+        return t
+    device, layout = where
+    t = t.to(device, non_blocking=True)
+    if layout is None:
+        return t
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def optimization_barrier_(tensors: list[torch.Tensor]) -> None:

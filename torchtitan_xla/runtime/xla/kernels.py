@@ -1,15 +1,17 @@
 """torch_xla's own ops and kernels that the model-side code calls through here: the Pallas
 attention and grouped-matmul kernels (TPU only), the float8 dot with a float32 result,
-activation-checkpoint fences, and scan over layers (through torch_xla's JAX bridge)."""
+activation-checkpoint fences and host offload, and scan over layers (through torch_xla's JAX bridge)."""
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable
 
 import torch
 
 from torchtitan_xla.errors import ConfigError
+from torchtitan_xla.runtime import common
 from torchtitan_xla.runtime.common import python_scan
 
 
@@ -100,6 +102,36 @@ def checkpoint(fn: Callable, *args):
     from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
 
     return xla_checkpoint(fn, *args)
+
+
+def offload_checkpoint(fn: Callable, *args):
+    """`checkpoint(fn, *args)` with the first argument (the block's input) kept in the host's memory
+    for the backward pass: torch_xla's `place_to_host` / `place_to_device` custom calls, which the
+    TPU compiler's host-offload pass turns into transfers to and from pinned host memory."""
+    with common.saved_on_host(args[0], _place_to_host, _place_to_device):
+        return checkpoint(fn, *args)
+
+
+# XLA's CPU compiler has no host-offload pass: it keeps the placement custom calls and then aborts
+# the process while compiling them. On the CPU backend the values stay where they are, unless this
+# is set (the tests compile the placements, in a process of their own, to read the optimized HLO).
+PLACE_ON_CPU_BACKEND = "TORCHTITAN_XLA_COMPILE_HOST_PLACEMENTS"
+
+
+def _place_to_host(t: torch.Tensor) -> torch.Tensor:
+    if _on_cpu_backend() and not os.environ.get(PLACE_ON_CPU_BACKEND):
+        return t
+    from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+    return place_to_host(t)
+
+
+def _place_to_device(t: torch.Tensor) -> torch.Tensor:
+    if _on_cpu_backend() and not os.environ.get(PLACE_ON_CPU_BACKEND):
+        return t
+    from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+    return place_to_device(t)
 
 
 def optimization_barrier_(tensors: list[torch.Tensor]) -> None:
