@@ -379,13 +379,14 @@ def test_offload_moves_exactly_each_blocks_input_and_keeps_the_gradients(monkeyp
     monkeypatch.setattr(kernels, "_offload", lambda t: offloaded.append(t) or offload(t))
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     grads = {}
-    for name, flags in {"none": [], "full": ["full"], "offload": ["full", "decoder_layer_input"]}.items():
+    ac = "--activation_checkpoint."
+    for name, argv in {"none": [ac + "mode", "none"], "full": [ac + "mode", "full"],
+                       "offload": [ac + "mode", "full", ac + "offload", "decoder_layer_input"]}.items():
         torch.manual_seed(0)
         model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, vocab_size=64, multiple_of=32,
                                       max_seq_len=16))
         model.init_weights()
-        argv = [f"--activation_checkpoint.{k}" for k in ("mode", "offload")][:len(flags)]
-        apply_ac(model, parse_args([x for pair in zip(argv, flags) for x in pair]).activation_checkpoint)
+        apply_ac(model, parse_args(argv).activation_checkpoint)
         inputs = []
         for block in model.layers.values():
             block.register_forward_pre_hook(lambda _, args, inputs=inputs: inputs.append(args[0]))
