@@ -307,8 +307,38 @@ def test_plan_allocates_nothing_and_suggests_what_fits():
     assert "torch_xla loaded: False" in p.stdout
     assert int(p.stdout.split("maxrss_kib:")[1].split()[0]) < 3 * 2**20  # < 3 GiB: 8B in float32 is 32
     assert "does not fit by" in p.stdout
-    knob = p.stdout.split("would fit with:\n")[1].splitlines()[0].split("   (")[0].split()
+    knobs = p.stdout.split("would fit with:\n")[1].splitlines()
+    knob = knobs[0].split("   (")[0].split()
     assert _plan(*args, *knob).returncode == 0
+    # Each block's input on the host: 32 blocks x 8192 tokens x 4096 x 2 bytes = 2 GiB per chip,
+    # 16 GiB for a v6e host's 8 chips; the device keeps 31 of the 32 inputs fewer than full
+    # checkpointing alone (1.94 GiB).
+    full = next(k for k in knobs if k.startswith("    --activation_checkpoint.mode full   ("))
+    offload = next(k for k in knobs if "--activation_checkpoint.offload decoder_layer_input" in k)
+    assert offload.endswith("GiB; 16.00 GiB on each host)"), offload
+    device = {k: float(k.split("   (")[1].split(" GiB")[0]) for k in (full, offload)}
+    assert device[full] - device[offload] == pytest.approx(31 / 32 * 2, abs=0.01)
+
+
+def test_offloaded_block_inputs_leave_the_device_count_for_the_hosts():
+    """The accounting on the debug model (8 blocks, dim 256, batch 8 x 256 tokens, bfloat16
+    compute) on one device: each block's input (8 x 256 x 256 x 2 bytes = 1 MiB) is on the host;
+    the device counts 7 of the 8 fewer (one comes back for its recomputation)."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+
+    base = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
+            "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]
+    runs = {}
+    for name, extra in {"full": [], "offload": ["--activation_checkpoint.offload", "decoder_layer_input"]}.items():
+        cfg = parse_args([*base, *extra])
+        runs[name] = memory.estimate(cfg, ParallelDims.from_config(cfg.parallelism, 1))
+    t = parse_args(base).training
+    block_input = t.local_batch_size * t.seq_len * 256 * 2
+    assert runs["full"].host == 0
+    assert runs["offload"].host == 8 * block_input
+    assert runs["full"].temporaries - runs["offload"].temporaries == 7 * block_input
+    assert runs["full"].parameters == runs["offload"].parameters
 
 
 @pytest.mark.parametrize("args, message", [

@@ -50,15 +50,21 @@ class Plan:
     memory: memory.Memory
     collectives: dict[str, float]  # bytes sent per device per step, by kind
     roofline: Roofline
-    knobs: list[tuple[list[str], int]] = field(default_factory=list)  # (flags, total bytes) that fit
+    # (flags, device total, host bytes per host) of each change that fits
+    knobs: list[tuple[list[str], int, int]] = field(default_factory=list)
 
     @property
     def hbm(self) -> int:
         return self.slice.chip.hbm_bytes
 
     @property
+    def host_bytes(self) -> int:
+        """What the job keeps in each host's memory (offloaded activations), for a whole host."""
+        return self.memory.host * min(self.slice.chip.chips_per_host, self.slice.chips)
+
+    @property
     def fits(self) -> bool:
-        return self.memory.total <= self.hbm
+        return self.memory.total <= self.hbm and self.host_bytes <= self.slice.chip.host_bytes
 
     @property
     def tight(self) -> bool:
@@ -127,11 +133,11 @@ def build_plan(job_config: JobConfig, tpu: str, *, with_knobs: bool = True,
 
 
 def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
-                    global_batch: int) -> list[tuple[list[str], int]]:
-    """Each single change that makes the job fit (activation checkpointing, the attention kernel,
-    loss chunking, half the local batch with gradient accumulation keeping the global batch, twice
-    the context parallel degree, FSDP over the replicas, a slice twice the size); if none does, all
-    the memory savers at once."""
+                    global_batch: int) -> list[tuple[list[str], int, int]]:
+    """Each single change that makes the job fit (activation checkpointing, each block's input on
+    the host, the attention kernel, loss chunking, half the local batch with gradient accumulation
+    keeping the global batch, twice the context parallel degree, FSDP over the replicas, a slice
+    twice the size); if none does, all the memory savers at once."""
     t, ac = cfg.training, cfg.activation_checkpoint
     keep_global = ["--training.global_batch_size", str(global_batch)]
     savers = []
@@ -139,6 +145,9 @@ def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
         savers += [["--activation_checkpoint.mode", "selective",
                     "--activation_checkpoint.selective_ac_option", "op"],
                    ["--activation_checkpoint.mode", "full"]]
+    if not ac.offload and cfg.parallelism.pipeline_parallel_degree == 1 and not cfg.compile.scan_layers:
+        savers.append(["--activation_checkpoint.mode", "full",
+                       "--activation_checkpoint.offload", "decoder_layer_input"])
     if cfg.model.attention in ("sdpa", "blockwise"):
         savers.append(["--model.attention", "splash"])
     if cfg.loss.chunk_size == 0 and (t.local_batch_size * t.seq_len) % 1024 == 0:
@@ -157,14 +166,14 @@ def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
     for flags in [*savers, *scale]:
         plan = _plan_with(argv, flags)
         if plan and plan.fits:
-            fitting.append((flags, plan.memory.total))
+            fitting.append((flags, plan.memory.total, plan.host_bytes))
     if not fitting and savers:
         together = [x for flags in savers if "selective" not in flags  # full recomputation instead
                     and "--training.local_batch_size" not in flags for x in flags]
         together += ["--training.local_batch_size", "1", *keep_global]
         plan = _plan_with(argv, together)
         if plan and plan.fits:
-            fitting.append((together, plan.memory.total))
+            fitting.append((together, plan.memory.total, plan.host_bytes))
     return fitting
 
 

@@ -45,6 +45,7 @@ def report(plan, cfg) -> str:
     microbatches = max(t.global_batch_size // (t.local_batch_size * ranks), 1)
     name, shape, spec = m.largest_shard
     cp = plan.mesh["cp"]
+    host_chips = min(chip.chips_per_host, plan.slice.chips)
     lines = [
         f"{cfg.model.name} {cfg.model.flavor} on {plan.slice.name}"
         + (f" x {cfg.parallelism.num_slices} slices" if cfg.parallelism.num_slices > 1 else "")
@@ -64,6 +65,9 @@ def report(plan, cfg) -> str:
         + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "")
         + (f", split over cp {cp}: {t.seq_len // cp} tokens per device" if cp > 1 else "") + ", "
         f"AC {policy}, attention {cfg.model.attention}, loss on {loss}, {t.mixed_precision_param})",
+        *([f"  host         {_gib(m.host)}   (each block's input, offloaded; {plan.host_bytes / GiB:.2f} "
+           f"GiB of a host's {chip.host_bytes / GiB:.0f} GiB for its {host_chips} chips; the copies' "
+           f"time is not modelled)"] if m.host else []),
         f"  total        {_gib(m.total)}   of {chip.hbm_bytes / GiB:g} GiB: "
         + (f"fits, margin {(plan.hbm - m.total) / GiB:.2f} GiB"
            + (" (tight: within the memory model's 10%)" if plan.tight else "")
@@ -94,8 +98,10 @@ def report(plan, cfg) -> str:
                          "cause is not found, so this verdict may be optimistic; docs/plan.md)")
     if not plan.fits:
         lines.append("  would fit with:" if plan.knobs else "  no single knob makes it fit (AC, "
-                     "loss chunks, smaller batch, more FSDP, a slice twice the size)")
-        lines += [f"    {' '.join(flags)}   ({(total) / GiB:.2f} GiB)" for flags, total in plan.knobs]
+                     "host offload, loss chunks, smaller batch, more FSDP, a slice twice the size)")
+        lines += [f"    {' '.join(flags)}   ({total / GiB:.2f} GiB"
+                  + (f"; {host / GiB:.2f} GiB on each host" if host else "") + ")"
+                  for flags, total, host in plan.knobs]
     sent = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in plan.collectives.items() if v)
     lines += [
         f"collectives per device per step (theory): {sent or 'none'}",

@@ -121,6 +121,7 @@ class Memory:
     largest_shard: tuple[str, tuple[int, ...], tuple]  # name, local shape, partition spec
     reference: int = 0  # dpo / ipo / grpo with beta > 0: the frozen reference's weights (reference/)
     kv_cache: int = 0  # grpo: its rollouts' KV cache, live while generating (between steps)
+    host: int = 0  # kept in the host's memory for this device: offloaded block inputs
 
     @property
     def activations(self) -> int:
@@ -366,8 +367,20 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
 
     base = elements - trained if job_config.lora.rank else elements
     reference = base * BYTES_PARAM if copies_reference(job_config) else 0
+    host = offloaded_inputs(job_config, shape, args.dim)
     return Memory(parameters=elements * BYTES_PARAM, gradients=trained * BYTES_GRAD,
                   optimizer=trained * states * BYTES_STATE,
-                  temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients,
+                  temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients
+                  - host * (shape.n_layers - 1) // max(shape.n_layers, 1),
                   largest_shard=largest, reference=reference,
-                  kv_cache=rollout_kv_cache(job_config, args, parallel_dims, global_batch))
+                  kv_cache=rollout_kv_cache(job_config, args, parallel_dims, global_batch), host=host)
+
+
+def offloaded_inputs(job_config: JobConfig, s: Shape, dim: int) -> int:
+    """Bytes of the block inputs (`dim` wide) `[activation_checkpoint] offload` keeps on the host per device:
+    every block's, of which the device holds one again while that block is recomputed. Only the
+    inputs themselves leave the device's count: what else the compiler keeps under full
+    checkpointing (the fit's full-policy terms) stays."""
+    if "decoder_layer_input" not in job_config.activation_checkpoint.offload:
+        return 0
+    return int(s.n_layers * s.tokens * dim * s.act_bytes / s.tp)
