@@ -82,6 +82,7 @@ def dot_f32(a: torch.Tensor, b: torch.Tensor, a_dims: list[int], b_dims: list[in
 # for same-type operands and result only: "Unsupported element type for DotThunk::Execute: BF16 x
 # BF16 = F32" at run time (docs/optimizers.md). Upcast operands are what XLA CPU itself makes of
 # such dots on every other CPU. Float16 likewise; float8 dots XLA CPU always upcasts itself.
+# (XNNPACK is off by this runtime's XLA flags, process.py, unless XLA_FLAGS turns it on.)
 CPU_UPCAST_DOT_DTYPES = (torch.bfloat16, torch.float16)
 
 
