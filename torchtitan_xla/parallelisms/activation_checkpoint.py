@@ -71,8 +71,9 @@ def _selective_op_block(block: nn.Module) -> None:
 
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
-    """Activation checkpointing per block: "full", "selective" every N-th block, or "selective"
-    op-level (keep matmul outputs, recompute the rest)."""
+    """Activation checkpointing per block: "full" (with `offload = ["decoder_layer_input"]`, each
+    block's input kept on the host), "selective" every N-th block, or "selective" op-level (keep
+    matmul outputs, recompute the rest)."""
     if cfg.mode == "none":
         return
     blocks = list(model.layers.values())
