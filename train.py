@@ -315,7 +315,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     def train_step(lrs: torch.Tensor, batch: Batch) -> torch.Tensor:
         """One optimizer step on the batch (its tensors by name: batch.py); returns everything the
         log line needs from the device, as one tensor: one transfer per log step."""
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # (an offloaded optimizer's own parameters are host copies)
         # The objective's normaliser over the whole step (all microbatches and ranks): the loss is
         # the step's, not a mean of microbatch means (chat batches mask different numbers of labels).
         totals = objective.totals(batch)

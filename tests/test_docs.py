@@ -214,7 +214,9 @@ def _status_rows() -> list[dict[str, str]]:
 def test_the_readme_status_table_says_only_what_holds():
     """Its cells use the table's own words; every key the native runtime refuses is a row marked
     refused there, and no other row is; each row names test files that exist, a native runtime
-    tested on CPU among them one that runs the native runtime; nothing claims a TPU run."""
+    tested on CPU among them one that runs the native runtime; nothing claims a TPU run. A row the
+    XLA runtime refuses is refused by the config, in a line that names the native runtime."""
+    from torchtitan_xla.config import ConfigError, parse_args
     from torchtitan_xla.config.checks import _NOT_ON_NATIVE
 
     rows = _status_rows()
@@ -224,7 +226,12 @@ def test_the_readme_status_table_says_only_what_holds():
             words = {w.strip() for w in row[runtime].split(",")}
             assert words <= STATUS_WORDS, (row["feature"], words)
             assert "refused" not in words or words == {"refused"}, row["feature"]
-        assert "not verified on TPU" in row["XLA runtime"], row["feature"]  # never run on a TPU
+        if row["XLA runtime"] == "refused":
+            for key in re.findall(r"`([a-z_]+\.[a-z_]+)", row["switch"]):
+                with pytest.raises(ConfigError, match='backend = "native"'):
+                    parse_args([f"--{key}"])
+        else:
+            assert "not verified on TPU" in row["XLA runtime"], row["feature"]  # never run on a TPU
         assert "measured on GPU" not in row["XLA runtime"], row["feature"]  # torch_xla 2.9: no GPU
         files = re.findall(r"`(test_\w+\.py)`", row["checked in"])
         assert files and all((REPO / "tests" / f).is_file() for f in files), row

@@ -108,6 +108,12 @@ def optimizer_job(seed: Path, optimizer: str) -> list[str]:
     return [*from_seed(seed, steps=6), "--optimizer.name", optimizer, "--training.local_batch_size", "8"]
 
 
+def optimizer_offload_job(seed: Path) -> list[str]:
+    """AdamW on the host, fsdp=2, 10 steps from the seed checkpoint, saving step 5."""
+    return [*EAGER, *from_seed(seed), "--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree",
+            "2", "--optimizer.offload", *SAVE_AT_5]
+
+
 def chunked_job(seed: Path) -> list[str]:
     return [*from_seed(seed, steps=6), *CHUNKED, "--training.local_batch_size", "8"]
 
@@ -192,6 +198,7 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs["offload"] = [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
                        "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full",
                        "--activation_checkpoint.offload", "decoder_layer_input"]
+    jobs["optimizer offload"] = optimizer_offload_job(seed)
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2", "--model.attention", "flash"]
     jobs["grpo"] = [*EAGER, *grpo_job(seed), "--parallelism.tensor_parallel_degree", "2"]
@@ -401,6 +408,30 @@ def test_offload_moves_exactly_each_blocks_input_and_keeps_the_gradients(monkeyp
             assert offloaded == []
     for name in ("full", "offload"):
         assert all(torch.equal(grads[name][n], g) for n, g in grads["none"].items()), name
+
+
+def test_the_optimizer_on_the_host_keeps_the_losses_and_resumes_exactly(seed, one_process, two_processes, tmp_path):
+    """`[optimizer] offload` on fsdp=2: the one-process losses (its AdamW on the device, torch's
+    single-tensor kernel; on the host the fused one: one grad norm in ten 1 ulp apart, measured);
+    resumed from its step 5, steps 6-10 bit for bit; and its checkpoint resumed without offload
+    within the same tolerance (the state dict is the same either way)."""
+    run, one = two_processes["optimizer offload"], one_process["mesh"]
+    assert "its state on the device: none" in run["log"]
+    close(run["losses"], one["losses"], rtol=1e-6)
+    close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
+    job = optimizer_offload_job(seed)
+    jobs = {"offload": job, "plain": [f for f in job if f != "--optimizer.offload"]}
+    for name in jobs:
+        copy_step(run["folder"], tmp_path / name, 5)
+    resumed = native_jobs(tmp_path, 2, jobs, model=LAYERS)
+    after_5 = {key: {s: v for s, v in run[key].items() if int(s) > 5} for key in ("losses", "grad_norms")}
+    for name, rtol in (("offload", 0), ("plain", 1e-6)):
+        assert "(step 5)" in resumed[name]["log"] and sorted(map(int, resumed[name]["losses"])) == list(range(6, 11))
+        for key in ("losses", "grad_norms"):
+            if rtol:
+                close(resumed[name][key], after_5[key], rtol=rtol)
+            else:
+                assert resumed[name][key] == after_5[key], key
 
 
 def test_qwen3_with_its_tied_embedding_on_tp2_gives_the_one_process_losses(one_process, two_processes):

@@ -196,6 +196,74 @@ def test_muon_without_hidden_weights_is_one_line():
                             '(parameters under `layers.`) to orthogonalise; use AdamW')
 
 
+OFFLOAD = ["--runtime.backend", "native", "--optimizer.offload", "--optimizer.lr", "0.01"]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_the_offloaded_optimizer_keeps_its_state_on_the_host_and_updates_as_torchs_fused_kernel(name):
+    """`[optimizer] offload`: the model's parameters (on the GPU where there is one) are updated
+    bit for bit as by torch's fused CPU kernel over a CPU copy; no optimizer state is on the device or is a
+    model parameter; a non-finite step changes nothing; its state dict is the plain optimizer's,
+    and a resume from it continues exactly. (In training: tests/test_native_runtime.py.)"""
+    from torchtitan_xla.optimizer import NonFiniteGuard, optimizer_state_tensors
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, grads = _model().to(device), _gradients(_model())
+    lrs = [1e-2 * (i + 1) for i in range(STEPS)]
+    opt = build_optimizer(model, parse_args(["--optimizer.name", name, *OFFLOAD]))
+    ref_model = _model()
+    cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
+    ref = cls(ref_model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+
+    def train(model, opt, steps):
+        on = next(model.parameters()).device
+        for i in steps:
+            for p, g in zip(model.parameters(), grads[i]):
+                p.grad = g.to(on)
+            step_with_lr(opt, torch.tensor(lrs[i], dtype=torch.float64, device=on))
+            model.zero_grad(set_to_none=True)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+
+    assert torch.equal(train(model, opt, range(5)), train(ref_model, ref, range(5)))
+    state = optimizer_state_tensors(opt)
+    assert len(state) == 3 * len(list(model.parameters())) and all(t.device.type == "cpu" for t in state)
+    assert not {id(p) for p in model.parameters()} & {id(p) for p in opt.state}
+    assert all(p.device.type == "cpu" and not p.is_set_to(m) for p, m in
+               zip(opt.host_offload.host_params, model.parameters()))
+    saved = opt.state_dict()
+    assert {i: {k: v.shape for k, v in s.items()} for i, s in saved["state"].items()} == {
+        i: {k: v.shape for k, v in s.items()} for i, s in ref.state_dict()["state"].items()}
+
+    # A non-finite step: weights, state and step counts as they were.
+    before = [t.clone() for t in (*model.parameters(), *state)]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    NonFiniteGuard(device, skip=True).update(torch.tensor(False, device=device), list(model.parameters()),
+                                             lambda: step_with_lr(opt, torch.tensor(0.01, device=device)), opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *state)))
+
+    # Resumed from the state dict into a new model and optimizer: steps 6-10 exactly.
+    resumed = _model().to(device)
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt = build_optimizer(resumed, parse_args(["--optimizer.name", name, *OFFLOAD]))
+    resumed_opt.load_state_dict(saved)
+    assert torch.equal(train(resumed, resumed_opt, range(5, STEPS)), train(ref_model, ref, range(5, STEPS)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizer.offload"], "command line: --optimizer.offload = true needs [runtime] backend = \"native\": torch_xla "
+     "2.9 has no API to keep tensors in the host's memory space (pytorch/xla#8049)"),
+    (["--runtime.backend", "native", "--optimizer.offload", "--optimizer.name", "Lion"],
+     "command line: --optimizer.offload = true updates with torch's fused AdamW or Adam on the host, not [optimizer] "
+     "name = 'Lion': Muon and Adafactor read each weight matrix whole, Lion has no host kernel that "
+     "skips non-finite steps"),
+])
+def test_optimizer_offload_it_cannot_run_is_one_line(flags, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(flags)
+    assert str(e.value) == message
+
+
 # ---- in train.py: every mesh, checkpoints ---------------------------------------------------------
 
 ONE_BLOCK = {"n_layers": 1}

@@ -4,6 +4,8 @@ its error lines. The compiled steps come from two subprocess runs shared by the 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -339,6 +341,42 @@ def test_offloaded_block_inputs_leave_the_device_count_for_the_hosts():
     assert runs["offload"].host == 8 * block_input
     assert runs["full"].temporaries - runs["offload"].temporaries == 7 * block_input
     assert runs["full"].parameters == runs["offload"].parameters
+
+
+def test_optimizer_offload_leaves_the_device_count_for_the_hosts():
+    """The accounting on the debug model on one device: with `[optimizer] offload` the device
+    counts no optimizer state; the host counts AdamW's two state tensors, the float32 copy of the
+    weights and the gradients' landing buffer: 16 bytes per trained element."""
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.parallelisms import ParallelDims
+
+    base = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--runtime.backend", "native"]
+    runs = {}
+    for name, extra in {"device": [], "host": ["--optimizer.offload"]}.items():
+        cfg = parse_args([*base, *extra])
+        runs[name] = memory.estimate(cfg, ParallelDims.from_config(cfg.parallelism, 1))
+    trained = runs["device"].gradients // 4
+    assert runs["device"].optimizer == 8 * trained and runs["device"].host == 0
+    assert runs["host"].optimizer == 0 and runs["host"].host == 16 * trained
+    assert runs["device"].total - runs["host"].total == 8 * trained
+
+
+def test_the_405b_plan_that_does_not_fit_offers_the_optimizer_on_the_host():
+    """llama3_405b on a v6e-256 (a quarter of its recipe's chips' HBM): no single knob fits; the
+    memory savers together with the optimizer on the host (the native runtime's) do, and the line
+    says what each host then keeps: 16 bytes per trained element for 8 chips."""
+    from torchtitan_xla.plan.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml"), "--plan.tpu", "v6e-256"])
+    text = out.getvalue()
+    assert rc == 1 and "does not fit by" in text
+    params = float(text.split("  parameters")[1].split("GiB")[0])
+    knob = text.split("would fit with:\n")[1].splitlines()[0]
+    assert "--runtime.backend native --optimizer.offload   (" in knob, knob
+    host = float(knob.split("; ")[1].split(" GiB on each host")[0])
+    assert host == pytest.approx(8 * 4 * params, abs=32 * 0.005)  # (the parameters line: to 0.01 GiB)
 
 
 @pytest.mark.parametrize("args, message", [

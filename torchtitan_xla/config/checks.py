@@ -34,6 +34,8 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             + ": under scan use mode 'none' or selective 'op'")
     if ac.offload:
         _check_offload(cfg, sources)
+    if cfg.optimizer.offload:
+        _check_optimizer_offload(cfg, sources)
     if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
         raise ConfigError(
             f"{sources.describe('training', 'global_batch_size')} = "
@@ -92,6 +94,19 @@ def _check_offload(cfg: JobConfig, sources) -> None:
         raise ConfigError(f"{where} = {ac.offload!r} cannot be combined with [parallelism] "
                           f"pipeline_parallel_degree = {stages}: the pipeline stages checkpoint their "
                           f"layers themselves")
+
+
+def _check_optimizer_offload(cfg: JobConfig, sources) -> None:
+    """The optimizer on the host: an elementwise update of each process's blocks, on torch's native
+    runtime (optimizer/offload.py)."""
+    where = sources.describe("optimizer", "offload")
+    if cfg.runtime.backend == "xla":
+        raise ConfigError(f"{where} = true needs [runtime] backend = \"native\": torch_xla 2.9 has no "
+                          f"API to keep tensors in the host's memory space (pytorch/xla#8049)")
+    if cfg.optimizer.name not in ("AdamW", "Adam"):
+        raise ConfigError(f"{where} = true updates with torch's fused AdamW or Adam on the host, not "
+                          f"[optimizer] name = {cfg.optimizer.name!r}: Muon and Adafactor read each "
+                          f"weight matrix whole, Lion has no host kernel that skips non-finite steps")
 
 
 def _model_args(cfg: JobConfig, sources):

@@ -90,6 +90,10 @@ class Optimizer:
         -0.8, "Adafactor: the second moment's decay, 1 - t^beta2_decay at step t.", le=0)
     adafactor_clip_threshold: float = opt(
         1.0, "Adafactor: updates are clipped to this RMS (d).", ge=1)
+    offload: bool = opt(
+        False, "Keep the optimizer's state, with a float32 copy of the weights it updates, in the "
+        "host's memory and update there (AdamW, Adam; native runtime; MaxText's "
+        "optimizer_memory_host_offload). docs/optimizers.md.")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from torchtitan_xla.optimizer.adafactor import Adafactor
 from torchtitan_xla.optimizer.lion import Lion
 from torchtitan_xla.optimizer.muon import Muon, muon_param_groups
 from torchtitan_xla.optimizer.nonfinite import NonFiniteGuard
+from torchtitan_xla.optimizer.offload import HostOffload
 from torchtitan_xla.optimizer.schedule import build_lr_scheduler, lr_factor
 from torchtitan_xla.optimizer.state import new_states, zeros_like_param
 
@@ -30,9 +31,12 @@ __all__ = ["Adafactor", "Lion", "Muon", "NonFiniteGuard", "build_lr_scheduler", 
 
 def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.optim.Optimizer:
     """The optimizer `[optimizer] name` names, over every trainable parameter (frozen ones, as
-    under LoRA, get no state), its state created."""
+    under LoRA, get no state), its state created; with `offload`, over their host copies."""
     cfg = job_config.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
+    offload = HostOffload(params) if cfg.offload else None
+    if offload is not None:
+        params = offload.host_params
     # capturable: Adam's step count and bias corrections live on the device, so the step's graph
     # reads them as data instead of baking this step's Python numbers into it.
     on_device = any(p.device.type not in ("cpu", "meta") for p in params)
@@ -40,8 +44,10 @@ def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.opti
         cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
         # The native runtime's compiled step leaves the update to torch's fused kernel, one call
         # for all parameters (torchtitan's default): compiled, the update took longer than the
-        # model. Where torch has it (the CPU, CUDA); torch-tpu's is not known to exist.
-        fused = job_config.compile.step == "compile" and all(p.device.type in ("cpu", "cuda") for p in params)
+        # model. Where torch has it (the CPU, CUDA); torch-tpu's is not known to exist. On the host
+        # (offload) always: it is the CPU's fast update, and it skips a non-finite step itself.
+        fused = (job_config.compile.step == "compile" or offload is not None) and all(
+            p.device.type in ("cpu", "cuda") for p in params)
         optimizer = cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                         weight_decay=cfg.weight_decay, foreach=False, capturable=on_device, fused=fused)
     elif cfg.name == "Muon":
@@ -59,6 +65,8 @@ def build_optimizer(model: torch.nn.Module, job_config: JobConfig) -> torch.opti
         optimizer = Adafactor(params, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay,
                               d=cfg.adafactor_clip_threshold, weight_decay=cfg.weight_decay)
     init_optimizer_state(optimizer)
+    if offload is not None:
+        offload.attach(optimizer)
     # A pipelined model saves its optimizer state under the per-layer layout too
     # (parallelisms/pipeline_parallel.py).
     for attach in getattr(model, "optimizer_hooks", ()):

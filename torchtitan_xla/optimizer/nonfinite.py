@@ -95,6 +95,9 @@ def _skipping(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, update:
 def _not_its_own(optimizer: torch.optim.Optimizer, written: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     own = {id(t) for group in optimizer.param_groups for p in group["params"]
            for t in (p, *optimizer.state[p].values())}
+    # Offloaded: the device's weights are copied from the host's, which a skipped update keeps.
+    offload = getattr(optimizer, "host_offload", None)
+    own |= {id(p) for p in (offload.device_params if offload else ())}
     return [t for t in written if id(t) not in own]
 
 

@@ -59,7 +59,8 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """What the job keeps in each host's memory (offloaded activations), for a whole host."""
+        """What the job keeps in each host's memory (offloaded activations and optimizer), for a
+        whole host."""
         return self.memory.host * min(self.slice.chip.chips_per_host, self.slice.chips)
 
     @property
@@ -136,8 +137,9 @@ def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
                     global_batch: int) -> list[tuple[list[str], int, int]]:
     """Each single change that makes the job fit (activation checkpointing, each block's input on
     the host, the attention kernel, loss chunking, half the local batch with gradient accumulation
-    keeping the global batch, twice the context parallel degree, FSDP over the replicas, a slice
-    twice the size); if none does, all the memory savers at once."""
+    keeping the global batch, twice the context parallel degree, the optimizer on the host (the
+    native runtime's), FSDP over the replicas, a slice twice the size); if none does, all the
+    memory savers at once, then with the optimizer on the host too."""
     t, ac = cfg.training, cfg.activation_checkpoint
     keep_global = ["--training.global_batch_size", str(global_batch)]
     savers = []
@@ -157,23 +159,32 @@ def _knobs_that_fit(cfg: JobConfig, argv: list[str], tpu: str,
     cp = cfg.parallelism.context_parallel_degree
     if cp > 1:  # each sequence over twice the devices (fewer data-parallel ranks: more microbatches)
         savers.append(["--parallelism.context_parallel_degree", str(2 * cp), *keep_global])
+    offload = []
+    if not cfg.optimizer.offload and cfg.optimizer.name in ("AdamW", "Adam"):
+        offload = [["--optimizer.offload"] if cfg.runtime.backend == "native"
+                   else ["--runtime.backend", "native", "--optimizer.offload"]]
     target = parse_slice(tpu)
     bigger = f"{target.chip.name}-{2 * target.chips * target.chip.cores_per_chip}"
     scale = [["--plan.tpu", bigger, *keep_global]]
     if cfg.parallelism.data_parallel_replicate_degree > 1:
         scale.insert(0, ["--parallelism.data_parallel_replicate_degree", "1"])
     fitting = []
-    for flags in [*savers, *scale]:
+    for flags in [*savers, *offload, *scale]:
         plan = _plan_with(argv, flags)
         if plan and plan.fits:
             fitting.append((flags, plan.memory.total, plan.host_bytes))
     if not fitting and savers:
-        together = [x for flags in savers if "selective" not in flags  # full recomputation instead
-                    and "--training.local_batch_size" not in flags for x in flags]
-        together += ["--training.local_batch_size", "1", *keep_global]
-        plan = _plan_with(argv, together)
-        if plan and plan.fits:
-            fitting.append((together, plan.memory.total, plan.host_bytes))
+        together = [flags for flags in savers if "selective" not in flags  # full recomputation instead
+                    and "--training.local_batch_size" not in flags]
+        together.append(["--training.local_batch_size", "1", *keep_global])
+        tries = [together]
+        if offload:  # with the optimizer on the host: the savers the native runtime runs (not splash)
+            tries.append([*(f for f in together if _plan_with(argv, [*f, *offload[0]])), offload[0]])
+        for flags in ([x for f in group for x in f] for group in tries):
+            plan = _plan_with(argv, flags)
+            if plan and plan.fits:
+                fitting.append((flags, plan.memory.total, plan.host_bytes))
+                break
     return fitting
 
 

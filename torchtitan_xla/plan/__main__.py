@@ -35,6 +35,13 @@ def runtime_line(cfg) -> str:
     return f"runtime: xla (torch_xla SPMD: one process per host); {other}"
 
 
+def _offloaded(cfg) -> str:
+    what = ["each block's input"] if cfg.activation_checkpoint.offload else []
+    if cfg.optimizer.offload:
+        what.append("the optimizer's state with float32 weights and gradients")
+    return " and ".join(what) + ", offloaded"
+
+
 def report(plan, cfg) -> str:
     m, r, chip = plan.memory, plan.roofline, plan.slice.chip
     t, ac = cfg.training, cfg.activation_checkpoint
@@ -55,7 +62,8 @@ def report(plan, cfg) -> str:
         "per device:",
         f"  parameters   {_gib(m.parameters)}   (float32; largest shard {name} {list(shape)} {spec})",
         f"  gradients    {_gib(m.gradients)}",
-        f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name})",
+        f"  optimizer    {_gib(m.optimizer)}   ({cfg.optimizer.name}"
+        + (", on the host)" if cfg.optimizer.offload else ")"),
         *([f"  reference    {_gib(m.reference)}   ({cfg.training.objective}'s frozen reference "
            f"model, float32)"] if m.reference else []),
         *([f"  kv cache     {_gib(m.kv_cache)}   (grpo's rollouts: every row of the step x {t.seq_len} "
@@ -65,9 +73,9 @@ def report(plan, cfg) -> str:
         + (f" and microbatch ({microbatches} microbatches)" if microbatches > 1 else "")
         + (f", split over cp {cp}: {t.seq_len // cp} tokens per device" if cp > 1 else "") + ", "
         f"AC {policy}, attention {cfg.model.attention}, loss on {loss}, {t.mixed_precision_param})",
-        *([f"  host         {_gib(m.host)}   (each block's input, offloaded; {plan.host_bytes / GiB:.2f} "
-           f"GiB of a host's {chip.host_bytes / GiB:.0f} GiB for its {host_chips} chips; the copies' "
-           f"time is not modelled)"] if m.host else []),
+        *([f"  host         {_gib(m.host)}   ({_offloaded(cfg)}; {plan.host_bytes / GiB:.2f} GiB of a "
+           f"host's {chip.host_bytes / GiB:.0f} GiB for its {host_chips} chips; the copies' and host "
+           f"updates' time is not modelled)"] if m.host else []),
         f"  total        {_gib(m.total)}   of {chip.hbm_bytes / GiB:g} GiB: "
         + (f"fits, margin {(plan.hbm - m.total) / GiB:.2f} GiB"
            + (" (tight: within the memory model's 10%)" if plan.tight else "")

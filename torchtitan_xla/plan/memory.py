@@ -121,7 +121,7 @@ class Memory:
     largest_shard: tuple[str, tuple[int, ...], tuple]  # name, local shape, partition spec
     reference: int = 0  # dpo / ipo / grpo with beta > 0: the frozen reference's weights (reference/)
     kv_cache: int = 0  # grpo: its rollouts' KV cache, live while generating (between steps)
-    host: int = 0  # kept in the host's memory for this device: offloaded block inputs
+    host: int = 0  # kept in the host's memory for this device: offloaded block inputs, optimizer
 
     @property
     def activations(self) -> int:
@@ -367,13 +367,18 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
 
     base = elements - trained if job_config.lora.rank else elements
     reference = base * BYTES_PARAM if copies_reference(job_config) else 0
-    host = offloaded_inputs(job_config, shape, args.dim)
+    inputs = offloaded_inputs(job_config, shape, args.dim)
+    optimizer = trained * states * BYTES_STATE
+    # Offloaded (optimizer/offload.py): the state, a float32 copy of the trained weights and a
+    # buffer their gradients land in, all on the host; nothing of it on the device.
+    on_host = optimizer + trained * (BYTES_PARAM + BYTES_GRAD) if job_config.optimizer.offload else 0
     return Memory(parameters=elements * BYTES_PARAM, gradients=trained * BYTES_GRAD,
-                  optimizer=trained * states * BYTES_STATE,
+                  optimizer=0 if on_host else optimizer,
                   temporaries=temporaries(shape, elements * BYTES_PARAM) - frozen_gradients
-                  - host * (shape.n_layers - 1) // max(shape.n_layers, 1),
+                  - inputs * (shape.n_layers - 1) // max(shape.n_layers, 1),
                   largest_shard=largest, reference=reference,
-                  kv_cache=rollout_kv_cache(job_config, args, parallel_dims, global_batch), host=host)
+                  kv_cache=rollout_kv_cache(job_config, args, parallel_dims, global_batch),
+                  host=inputs + on_host)
 
 
 def offloaded_inputs(job_config: JobConfig, s: Shape, dim: int) -> int:
