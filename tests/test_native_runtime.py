@@ -197,7 +197,7 @@ def two_processes(seed, tmp_path_factory) -> dict:
                              "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]}
     jobs["offload"] = [*EAGER, *from_seed(seed), "--training.local_batch_size", "4",
                        "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full",
-                       "--activation_checkpoint.offload", "decoder_layer_input"]
+                       "--activation_checkpoint.offload", "decoder_layer_input,qkv_proj"]
     jobs["optimizer offload"] = optimizer_offload_job(seed)
     jobs |= {name: [*EAGER, *optimizer_job(seed, name), *flags] for name, flags in OPTIMIZER_MESHES.items()}
     jobs["chat"] = [*EAGER, *chat_job(seed), "--parallelism.tensor_parallel_degree", "2", "--model.attention", "flash"]
@@ -358,20 +358,24 @@ def test_gradient_accumulation_and_activation_checkpointing_keep_the_one_process
 
 
 def test_offloaded_block_inputs_keep_the_one_process_losses(one_process, two_processes):
-    """`offload = ["decoder_layer_input"]` (torch's reentrant checkpoint, its saved block inputs
-    through the host hooks) on tp=2 with two microbatches: the one-process losses over its 10
-    steps, as the accumulation job above."""
+    """`offload = ["decoder_layer_input", "qkv_proj"]` (torch's reentrant checkpoint, its saved block
+    inputs through the host hooks, the projections' outputs taken back as DTensors sharded over tp)
+    on tp=2 with two microbatches: the one-process losses over its 10 steps, as the accumulation
+    job above."""
     run, one = two_processes["offload"], one_process["mesh"]
-    assert "Activation checkpointing: full, offloaded to the host: decoder_layer_input" in run["log"]
+    assert "Activation checkpointing: full, offloaded to the host: decoder_layer_input, qkv_proj" in run["log"]
     close(run["losses"], one["losses"], rtol=1e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=1e-6)
 
 
-def test_offload_moves_exactly_each_blocks_input_and_keeps_the_gradients(monkeypatch):
-    """In one process: with offload, the tensors autograd keeps through the host hooks are the 4
-    blocks' inputs ([2, 16, 64] float32: 32 KiB in all, none of them twice), and the gradients are
-    full checkpointing's and no checkpointing's, bit for bit."""
+def test_offload_moves_exactly_the_named_activations_and_keeps_the_gradients(monkeypatch):
+    """In one process (4 blocks, 2 KV heads), in float32 and under bfloat16 autocast: the tensors
+    autograd keeps on the host are exactly each block's input ([2, 16, 64]: 32 KiB in all) and its
+    query, key and value projections ([2, 16, 64], [2, 16, 32] x 2), as named; the recomputation
+    then runs 12 matmuls fewer (3 per block) in the backward pass; the gradients are full checkpointing's and no
+    checkpointing's, bit for bit."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torchtitan_xla import runtime
     from torchtitan_xla.config import parse_args
@@ -379,35 +383,51 @@ def test_offload_moves_exactly_each_blocks_input_and_keeps_the_gradients(monkeyp
     from torchtitan_xla.parallelisms.activation_checkpoint import apply_ac
     from torchtitan_xla.runtime.native import kernels
 
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountMatmuls.count += func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+            return func(*args, **(kwargs or {}))
+
     monkeypatch.setattr(runtime, "_backend", "native")
     offloaded = []
-    offload = kernels._offload
-    monkeypatch.setattr(kernels, "_offload", lambda t: offloaded.append(t) or offload(t))
+    offload = kernels.offload
+    monkeypatch.setattr(kernels, "offload", lambda t: offloaded.append(t) or offload(t))
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    grads = {}
     ac = "--activation_checkpoint."
-    for name, argv in {"none": [ac + "mode", "none"], "full": [ac + "mode", "full"],
-                       "offload": [ac + "mode", "full", ac + "offload", "decoder_layer_input"]}.items():
-        torch.manual_seed(0)
-        model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, vocab_size=64, multiple_of=32,
-                                      max_seq_len=16))
-        model.init_weights()
-        apply_ac(model, parse_args(argv).activation_checkpoint)
-        inputs = []
-        for block in model.layers.values():
-            block.register_forward_pre_hook(lambda _, args, inputs=inputs: inputs.append(args[0]))
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-        loss.backward()
-        grads[name] = {n: p.grad for n, p in model.named_parameters()}
-        if name == "offload":
-            assert [t.shape for t in offloaded] == [torch.Size([2, 16, 64])] * 4
-            assert sum(t.numel() * t.element_size() for t in offloaded) == 4 * 2 * 16 * 64 * 4
-            assert all(any(t is i for i in inputs) for t in offloaded)
-            assert len({id(t) for t in offloaded}) == 4
-        else:
-            assert offloaded == []
-    for name in ("full", "offload"):
-        assert all(torch.equal(grads[name][n], g) for n, g in grads["none"].items()), name
+    runs = {"none": [ac + "mode", "none"], "full": [ac + "mode", "full"],
+            "input": [ac + "mode", "full", ac + "offload", "decoder_layer_input"],
+            "qkv": [ac + "mode", "full", ac + "offload", "qkv_proj"],
+            "both": [ac + "mode", "full", ac + "offload", "decoder_layer_input,qkv_proj"]}
+    shapes = {"none": [], "full": [], "input": [(2, 16, 64)] * 4, "qkv": [(2, 16, 64), (2, 16, 32), (2, 16, 32)] * 4,
+              "both": [(2, 16, 64), (2, 16, 32), (2, 16, 32), (2, 16, 64)] * 4}  # the input saved after its run
+    for autocast in (False, True):
+        grads, matmuls = {}, {}
+        for name, argv in runs.items():
+            torch.manual_seed(0)
+            model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                          multiple_of=32, max_seq_len=16))
+            model.init_weights()
+            apply_ac(model, parse_args(argv).activation_checkpoint)
+            inputs = []
+            for block in model.layers.values():
+                block.register_forward_pre_hook(lambda _, args, inputs=inputs: inputs.append(args[0]))
+            offloaded.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+            CountMatmuls.count = 0
+            with CountMatmuls():
+                loss.backward()
+            grads[name], matmuls[name] = {n: p.grad for n, p in model.named_parameters()}, CountMatmuls.count
+            assert [tuple(t.shape) for t in offloaded] == shapes[name], name
+            if name in ("input", "both"):  # the block inputs themselves, each once
+                assert [t for t in offloaded if any(t is i for i in inputs)] == inputs[:4]
+        # (against the same reentrant checkpoint: "full" is torch's non-reentrant one, which stops
+        # recomputing a block once it has what the backward needs)
+        assert matmuls["input"] - matmuls["qkv"] == matmuls["input"] - matmuls["both"] == 12
+        for name in ("full", "input", "qkv", "both"):
+            assert all(torch.equal(grads[name][n], g) for n, g in grads["none"].items()), (name, autocast)
 
 
 def test_the_optimizer_on_the_host_keeps_the_losses_and_resumes_exactly(seed, one_process, two_processes, tmp_path):

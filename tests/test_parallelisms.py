@@ -33,9 +33,10 @@ MESHES = {
 ONE_DEVICE = {
     "none": ["--training.local_batch_size", "8"],
     "full": ["--training.local_batch_size", "8", AC + "mode", "full"],
-    # Each block's input kept on the host (the XLA CPU backend leaves it in place: the same graph).
+    # Each block's input and its attention projections kept on the host (the XLA CPU backend
+    # leaves them in place), the projections then taken back instead of recomputed.
     "full_offload": ["--training.local_batch_size", "8", AC + "mode", "full", AC + "offload",
-                     "decoder_layer_input"],
+                     "decoder_layer_input,qkv_proj"],
     "selective_2": ["--training.local_batch_size", "8", AC + "mode", "selective",
                     AC + "selective_ac_option", "2"],
     "selective_op": ["--training.local_batch_size", "8", AC + "mode", "selective",
@@ -267,7 +268,8 @@ import torch, torch_xla
 from torchtitan_xla.config import parse_args
 from torchtitan_xla.models.llama import ModelArgs, Transformer
 from torchtitan_xla.parallelisms.activation_checkpoint import apply_ac
-model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, vocab_size=64, multiple_of=32, max_seq_len=16))
+model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
+                              max_seq_len=16))
 model.init_weights()
 model.to(torch_xla.device())
 apply_ac(model, parse_args(sys.argv[1:]).activation_checkpoint)
@@ -288,26 +290,30 @@ def _placements(hlo: str) -> list[tuple[str, str]]:
                       r"custom_call_target=\"annotate_device_placement\".*?_xla_buffer_placement=\"(\w+)\"", hlo)
 
 
-def test_offloaded_block_inputs_carry_host_placements_in_the_optimized_hlo(tmp_path):
-    """`offload = ["decoder_layer_input"]`: each of the 4 blocks' input ([2, 16, 64]) goes to pinned
-    host memory after the forward pass and comes back to the device for the recomputation, and
+def test_offloaded_activations_carry_host_placements_in_the_optimized_hlo(tmp_path):
+    """`offload = ["decoder_layer_input", "qkv_proj"]`: each of the 4 blocks' input ([2, 16, 64])
+    and its query ([2, 16, 64]), key and value ([2, 16, 32]: 2 KV heads) projections go to pinned
+    host memory after the forward pass and come back to the device for the recomputation, and
     nothing else does, in the graph torch_xla traces and in the HLO XLA optimizes from it. XLA's CPU
     compiler keeps the custom calls (it has no host-offload pass) and then aborts the process while
     compiling them, after writing its optimized HLO: so only that is read (runs on the CPU leave the
     values in place: the "full_offload" losses above)."""
+    from collections import Counter
+
     from torchtitan_xla.runtime.xla.kernels import PLACE_ON_CPU_BACKEND
 
     dump = tmp_path / "dump"
     env = _env(1, {PLACE_ON_CPU_BACKEND: "1", "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
     p = subprocess.run([sys.executable, "-c", _OFFLOADED_STEP.format(repo=str(REPO)), AC + "mode", "full",
-                        AC + "offload", "decoder_layer_input"], capture_output=True, text=True, env=env)
+                        AC + "offload", "decoder_layer_input,qkv_proj"], capture_output=True, text=True, env=env)
     traced = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("TRACED "))[7:])
-    expected = [("f32[2,16,64]", "pinned_host")] * 4 + [("f32[2,16,64]", "device")] * 4
-    assert sorted(_placements(traced), key=lambda c: c[1], reverse=True) == expected, p.stderr[-2000:]
+    # Per block: its input and query [2, 16, 64], its key and value [2, 16, 32]; each way.
+    expected = Counter({(shape, where): 8 for shape in ("f32[2,16,64]", "f32[2,16,32]")
+                        for where in ("pinned_host", "device")})
+    assert Counter(_placements(traced)) == expected, p.stderr[-2000:]
     optimized = [f.read_text() for f in dump.glob("*after_optimizations.txt")]
     assert len(optimized) == 1, (p.returncode, p.stderr[-2000:])
-    placements = _placements(optimized[0])
-    assert sorted(placements, key=lambda c: c[1], reverse=True) == expected
+    assert Counter(_placements(optimized[0])) == expected
 
 
 # ---- plans and validation ---------------------------------------------------------------------
@@ -384,7 +390,15 @@ def test_model_and_batch_checks():
     ([AC + "selective_ac_option", "every2"], r"selective_ac_option = 'every2': expected 'op' or a positive integer N"),
     (["--compile.scan_layers", AC + "mode", "full"], r"scan_layers = true cannot be combined with \[activation_checkpoint\] mode = 'full'"),
     (["--training.global_batch_size", "0"], r"global_batch_size = 0: must be -1 \(no accumulation\) or > 0"),
-    ([AC + "offload", "qkv_proj"], r"--activation_checkpoint.offload: expected one of decoder_layer_input, got 'qkv_proj'"),
+    ([AC + "offload", "wq"], r"--activation_checkpoint.offload: expected one of decoder_layer_input, qkv_proj, "
+     r"got 'wq'"),
+    ([AC + "offload", "qkv_proj", AC + "mode", "full", "--float8.enable_float8_linear"],
+     r"^command line: --activation_checkpoint.offload = \['qkv_proj'\] keeps the outputs of plain wq, wk and wv "
+     r"linear layers; not with command line: --float8.enable_float8_linear = True \(float8 projections\)$"),
+    ([AC + "offload", "qkv_proj", AC + "mode", "full", "--lora.rank", "4"],
+     r"not with .*\[lora\] target_modules = \['wk', 'wq', 'wv'\] \(adapters on the projections\)$"),
+    ([AC + "offload", "qkv_proj", AC + "mode", "full", "--model.name", "deepseek_v3"],
+     r"not with command line: --model.name = 'deepseek_v3' \(latent attention"),
     ([AC + "offload", "decoder_layer_input"], r"offload = \['decoder_layer_input'\] needs \[activation_checkpoint\] "
      r"mode = \"full\" \(each block recomputed from its offloaded input\), not 'selective'"),
     ([AC + "offload", "decoder_layer_input", AC + "mode", "full", P + "pipeline_parallel_degree", "2"],

@@ -325,14 +325,17 @@ def test_plan_allocates_nothing_and_suggests_what_fits():
 def test_offloaded_block_inputs_leave_the_device_count_for_the_hosts():
     """The accounting on the debug model (8 blocks, dim 256, batch 8 x 256 tokens, bfloat16
     compute) on one device: each block's input (8 x 256 x 256 x 2 bytes = 1 MiB) is on the host;
-    the device counts 7 of the 8 fewer (one comes back for its recomputation)."""
+    the device counts 7 of the 8 fewer (one comes back for its recomputation). Its attention
+    projections (query, key and value: 256 features a token each) add to the host's count only:
+    full checkpointing keeps none of them on the device."""
     from torchtitan_xla.config import parse_args
     from torchtitan_xla.parallelisms import ParallelDims
 
     base = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
             "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]
     runs = {}
-    for name, extra in {"full": [], "offload": ["--activation_checkpoint.offload", "decoder_layer_input"]}.items():
+    for name, extra in {"full": [], "offload": ["--activation_checkpoint.offload", "decoder_layer_input"],
+                        "both": ["--activation_checkpoint.offload", "decoder_layer_input,qkv_proj"]}.items():
         cfg = parse_args([*base, *extra])
         runs[name] = memory.estimate(cfg, ParallelDims.from_config(cfg.parallelism, 1))
     t = parse_args(base).training
@@ -341,6 +344,10 @@ def test_offloaded_block_inputs_leave_the_device_count_for_the_hosts():
     assert runs["offload"].host == 8 * block_input
     assert runs["full"].temporaries - runs["offload"].temporaries == 7 * block_input
     assert runs["full"].parameters == runs["offload"].parameters
+    args = memory.model_args(parse_args(base))
+    features = args.n_heads * args.head_dim + 2 * args.kv_heads * args.head_dim
+    assert runs["both"].host - runs["offload"].host == 8 * t.local_batch_size * t.seq_len * features * 2
+    assert runs["both"].total == runs["offload"].total
 
 
 def test_optimizer_offload_leaves_the_device_count_for_the_hosts():

@@ -32,8 +32,6 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"[activation_checkpoint] mode = {ac.mode!r}"
             + (f", selective_ac_option = {ac.selective_ac_option!r}" if ac.mode == "selective" else "")
             + ": under scan use mode 'none' or selective 'op'")
-    if ac.offload:
-        _check_offload(cfg, sources)
     if cfg.optimizer.offload:
         _check_optimizer_offload(cfg, sources)
     if cfg.training.global_batch_size == 0 or cfg.training.global_batch_size < -1:
@@ -78,13 +76,16 @@ def check_combinations(cfg: JobConfig, sources) -> None:
             f"before the next starts")
     check_objective(cfg, sources)
     args = _model_args(cfg, sources)
+    if ac.offload:
+        _check_offload(cfg, args, sources)
     _check_moe(cfg, args, sources)
     _check_attention(cfg, args, sources)
     _check_runtime(cfg, sources)
 
 
-def _check_offload(cfg: JobConfig, sources) -> None:
-    """Host offload of a block's input: the block is recomputed from it, by the per-block checkpoint."""
+def _check_offload(cfg: JobConfig, args, sources) -> None:
+    """Host offload of a block's input or its attention projections: the block is recomputed by the
+    per-block checkpoint, which takes them back."""
     ac, where = cfg.activation_checkpoint, sources.describe("activation_checkpoint", "offload")
     if ac.mode != "full":
         raise ConfigError(f"{where} = {ac.offload!r} needs [activation_checkpoint] mode = \"full\" (each "
@@ -94,6 +95,20 @@ def _check_offload(cfg: JobConfig, sources) -> None:
         raise ConfigError(f"{where} = {ac.offload!r} cannot be combined with [parallelism] "
                           f"pipeline_parallel_degree = {stages}: the pipeline stages checkpoint their "
                           f"layers themselves")
+    if "qkv_proj" not in ac.offload:
+        return
+    # The projections' gradients are computed from their kept outputs as a plain linear layer's.
+    targets = cfg.lora.target_modules
+    clash = [(section, key, value, why) for section, key, value, why in (
+        ("float8", "enable_float8_linear", cfg.float8.enable_float8_linear, "float8 projections"),
+        ("lora", "target_modules", cfg.lora.rank and sorted({"wq", "wk", "wv"} & set(targets)),
+         "adapters on the projections"),
+        ("model", "name", args.mla and cfg.model.name, "latent attention (its projections are "
+         "wq_a / wkv_a ...)")) if value]
+    if clash:
+        section, key, value, why = clash[0]
+        raise ConfigError(f"{where} = {ac.offload!r} keeps the outputs of plain wq, wk and wv linear "
+                          f"layers; not with {sources.describe(section, key)} = {value!r} ({why})")
 
 
 def _check_optimizer_offload(cfg: JobConfig, sources) -> None:

@@ -105,9 +105,10 @@ class ActivationCheckpoint:
         "2", "For mode selective: an integer N checkpoints every N-th block; 'op' keeps the "
         "outputs of the weight matmuls and recomputes everything else (norms, RoPE, attention "
         "scores, activations).")
-    offload: list[Literal["decoder_layer_input"]] = opt(
-        [], "Activations kept in the host's memory between the forward and backward passes: "
-        "decoder_layer_input (each block's input, from which mode full recomputes the block). XLA: "
+    offload: list[Literal["decoder_layer_input", "qkv_proj"]] = opt(
+        [], "Activations kept in the host's memory between the forward and backward passes, with "
+        "mode full: decoder_layer_input (each block's input, from which the block is recomputed), "
+        "qkv_proj (the attention's query, key and value projections, then not recomputed). XLA: "
         "torch_xla's place_to_host / place_to_device (the XLA CPU backend leaves values in place); "
         "native: pinned host memory, with [compile] step = eager.")
 

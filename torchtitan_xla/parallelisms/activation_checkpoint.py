@@ -1,10 +1,13 @@
 """Activation checkpointing per block, applied from outside: full recompute (optionally with each
-block's input kept in the host's memory), every N-th block, or op-level selective (keep the weight
-matmuls' outputs, recompute the rest)."""
+block's input, or its attention projections' outputs, kept in the host's memory), every N-th
+block, or op-level selective (keep the weight matmuls' outputs, recompute the rest)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import types
 
 import torch
 from torch import nn
@@ -15,18 +18,105 @@ from torchtitan_xla.float8 import FLOAT8_DOT_OP
 from torchtitan_xla.logging import logger
 
 
-def _checkpoint_block(block: nn.Module, offload_input: bool = False) -> None:
+def _checkpoint_block(block: nn.Module, offload: list[str] = ()) -> None:
     """Full recompute: keep only the block's input, recompute its forward in the backward pass.
-    `offload_input`: that input waits for the backward pass in the host's memory (MaxText's
-    `decoder_layer_input: offload`)."""
+    `offload` names what waits for the backward pass in the host's memory instead (MaxText's
+    remat policies): "decoder_layer_input", the block's input; "qkv_proj", the attention's query,
+    key and value projections, which the recomputation then takes back instead of multiplying."""
     original = block.forward  # a bound method: torch_xla's checkpoint also fences its weights
     if any(not p.requires_grad for p in block.parameters()):
         # Frozen weights (LoRA's base) are not fenced: the fence writes them, and a replayed step
         # would then have to donate and rebind weights it never changes (it failed to replay).
         # The block's input is still fenced, which keeps the recomputation apart.
         original = functools.partial(original)
-    checkpoint = runtime.kernels.offload_checkpoint if offload_input else runtime.kernels.checkpoint
-    block.forward = lambda *args: checkpoint(original, *args)
+    if not offload:
+        block.forward = lambda *args: runtime.kernels.checkpoint(original, *args)
+        return
+    kernels = runtime.kernels
+    attention = block.attention
+    projections = [attention.wq, attention.wk, attention.wv] if "qkv_proj" in offload else []
+
+    def forward(*args):
+        kept: list = []  # this call's projection outputs, on the host, in the order they were made
+        calls = 0
+
+        def run(*inner):
+            nonlocal calls
+            calls += 1
+            with _projections_kept(projections, kept, again=calls > 1):
+                return original(*inner)
+
+        # The checkpoint fences the weights of a bound method's module (torch_xla's), as above.
+        run_fn = types.MethodType(lambda _, *inner: run(*inner), block) if inspect.ismethod(original) else run
+        on_host = "decoder_layer_input" in offload
+        with _saved_on_host(args[0]) if on_host else contextlib.nullcontext():
+            return kernels.reentrant_checkpoint(run_fn, *args)
+
+    block.forward = forward
+
+
+def _saved_on_host(tensor: torch.Tensor):
+    """Autograd keeps `tensor`, wherever it saves it for the backward pass in this context, in the
+    host's memory (`runtime.kernels.offload`) and brings it back (`reload`); everything else as
+    usual. Inside a reentrant checkpoint (the block's inputs saved by `ctx.save_for_backward`),
+    this is MaxText's `decoder_layer_input: offload`."""
+    kernels = runtime.kernels
+
+    def pack(saved):
+        return (True, kernels.offload(saved)) if saved is tensor else (False, saved)
+
+    def unpack(packed):
+        on_host, saved = packed
+        return kernels.reload(saved) if on_host else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@contextlib.contextmanager
+def _projections_kept(projections: list[nn.Linear], kept: list, again: bool):
+    """Within a checkpointed block: the first run (the forward pass, without gradients) keeps each
+    projection's output on the host; the recomputation takes them back in the same order, and
+    each projection then only computes its gradients (`_KeptLinear`)."""
+    saved = [p.forward for p in projections]
+
+    def keep(layer, x):
+        y = layer.__class__.forward(layer, x)
+        kept.append(runtime.kernels.offload(y.detach()))
+        return y
+
+    def take_back(layer, x):
+        return _KeptLinear.apply(x, layer.weight, layer.bias, runtime.kernels.reload(kept.pop(0)))
+
+    for p in projections:
+        p.forward = functools.partial(take_back if again else keep, p)
+    try:
+        yield
+    finally:
+        for p, f in zip(projections, saved):
+            p.forward = f
+
+
+class _KeptLinear(torch.autograd.Function):
+    """A linear layer whose output `y` was kept from the forward pass: returns it without the
+    matmul; its backward is the layer's (the input's, weight's and bias's gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, y):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        # The backward's matmuls in the forward's autocast dtype, as the layer's own backward runs.
+        device = runtime.autocast_device_type()
+        ctx.autocast = device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            flat = grad.flatten(0, -2)
+            grad_bias = flat.sum(0) if ctx.has_bias else None
+            return grad @ weight, flat.t() @ x.flatten(0, -2), grad_bias, None
 
 
 # Outputs kept by op-level selective checkpointing: the weight matmuls (Linear layers lower to
@@ -79,7 +169,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     blocks = list(model.layers.values())
     if cfg.mode == "full":
         for block in blocks:
-            _checkpoint_block(block, offload_input="decoder_layer_input" in cfg.offload)
+            _checkpoint_block(block, cfg.offload)
     elif cfg.selective_ac_option == "op":
         for block in blocks:
             _selective_op_block(block)

@@ -36,7 +36,8 @@ def runtime_line(cfg) -> str:
 
 
 def _offloaded(cfg) -> str:
-    what = ["each block's input"] if cfg.activation_checkpoint.offload else []
+    names = {"decoder_layer_input": "each block's input", "qkv_proj": "its attention projections"}
+    what = [names[n] for n in cfg.activation_checkpoint.offload]
     if cfg.optimizer.offload:
         what.append("the optimizer's state with float32 weights and gradients")
     return " and ".join(what) + ", offloaded"

@@ -368,6 +368,9 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
     base = elements - trained if job_config.lora.rank else elements
     reference = base * BYTES_PARAM if copies_reference(job_config) else 0
     inputs = offloaded_inputs(job_config, shape, args.dim)
+    # The projections (qkv_proj) only add to the host's count: full checkpointing recomputes them.
+    projections = offloaded_inputs(job_config, shape, args.n_heads * args.qk_head_dim + kv_features(args),
+                                   name="qkv_proj")
     optimizer = trained * states * BYTES_STATE
     # Offloaded (optimizer/offload.py): the state, a float32 copy of the trained weights and a
     # buffer their gradients land in, all on the host; nothing of it on the device.
@@ -378,14 +381,14 @@ def estimate(job_config: JobConfig, parallel_dims, vocab_size: int | None = None
                   - inputs * (shape.n_layers - 1) // max(shape.n_layers, 1),
                   largest_shard=largest, reference=reference,
                   kv_cache=rollout_kv_cache(job_config, args, parallel_dims, global_batch),
-                  host=inputs + on_host)
+                  host=inputs + projections + on_host)
 
 
-def offloaded_inputs(job_config: JobConfig, s: Shape, dim: int) -> int:
-    """Bytes of the block inputs (`dim` wide) `[activation_checkpoint] offload` keeps on the host per device:
-    every block's, of which the device holds one again while that block is recomputed. Only the
-    inputs themselves leave the device's count: what else the compiler keeps under full
-    checkpointing (the fit's full-policy terms) stays."""
-    if "decoder_layer_input" not in job_config.activation_checkpoint.offload:
+def offloaded_inputs(job_config: JobConfig, s: Shape, dim: int, name: str = "decoder_layer_input") -> int:
+    """Bytes of what `[activation_checkpoint] offload` keeps on the host per device under `name`
+    (`dim` features per token): every block's, over `tp`. Of the block inputs the device holds one
+    again while that block is recomputed; only the inputs themselves leave the device's count:
+    what else the compiler keeps under full checkpointing (the fit's full-policy terms) stays."""
+    if name not in job_config.activation_checkpoint.offload:
         return 0
     return int(s.n_layers * s.tokens * dim * s.act_bytes / s.tp)

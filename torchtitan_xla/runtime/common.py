@@ -57,20 +57,3 @@ def python_scan(fn: Callable, init, xs):
         carry, y = fn(carry, tuple(t[i] for t in xs))
         ys.append(y)
     return carry, tuple(torch.stack(parts) for parts in zip(*ys))
-
-
-def saved_on_host(tensor, to_host: Callable, to_device: Callable):
-    """Autograd keeps `tensor`, wherever it saves it for the backward pass in this context, as
-    `to_host(tensor)` and brings it back with `to_device`; everything else it saves as usual. Inside a
-    reentrant checkpoint (the block's inputs saved by `ctx.save_for_backward`), this is MaxText's
-    `decoder_layer_input: offload`."""
-    import torch
-
-    def pack(saved):
-        return (True, to_host(saved)) if saved is tensor else (False, saved)
-
-    def unpack(packed):
-        on_host, saved = packed
-        return to_device(saved) if on_host else saved
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from torchtitan_xla.runtime import common
 from torchtitan_xla.runtime.common import python_scan as scan
 
 __all__ = ["attention_kernel", "checkpoint", "check_torchax", "dot_f32", "enable_torch_checkpoint",
-           "flash_attention", "grouped_mm", "offload_checkpoint", "optimization_barrier_", "scan",
+           "flash_attention", "grouped_mm", "offload", "optimization_barrier_", "reentrant_checkpoint",
+           "reload", "scan",
            "scan_layers", "splash_attention", "total_norm"]
 
 
@@ -85,21 +85,20 @@ def checkpoint(fn: Callable, *args):
     return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
-def offload_checkpoint(fn: Callable, *args):
-    """`checkpoint(fn, *args)` with the first argument (the block's input) kept in the host's memory
-    for the backward pass. torch's reentrant checkpoint: it saves its inputs with
+def reentrant_checkpoint(fn: Callable, *args):
+    """Full checkpointing of `fn(*args)` by torch's reentrant checkpoint: it saves its inputs with
     `save_for_backward`, which saved-tensor hooks see (the non-reentrant one keeps them in its own
-    closure). Reentrant checkpointing is not traceable by torch.compile, hence step eager only
-    (config/checks.py)."""
+    closure), and runs `fn` without gradients first, then again in the backward pass. Not traceable
+    by torch.compile, hence host offload runs with step eager only (config/checks.py)."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    with common.saved_on_host(args[0], _offload, _restore):
-        return torch_checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=False)
+    return torch_checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=False)
 
 
-def _offload(t: torch.Tensor):
+def offload(t: torch.Tensor):
     """A copy of `t` (of its local block, for a DTensor) in host memory, pinned so that the copy runs
-    beside the compute, with what brings it back; on the CPU `t` is already on the host."""
+    beside the compute, with what `reload` needs to bring it back; on the CPU `t` is already on the
+    host."""
     from torch.distributed.tensor import DTensor
 
     if t.device.type == "cpu":
@@ -110,7 +109,8 @@ def _offload(t: torch.Tensor):
     return (local.device, layout), host.copy_(local, non_blocking=True)
 
 
-def _restore(saved) -> torch.Tensor:
+def reload(saved) -> torch.Tensor:
+    """The tensor `offload` copied to the host, back on its device (a DTensor with its layout)."""
     from torch.distributed.tensor import DTensor
 
     where, t = saved

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from torchtitan_xla.errors import ConfigError
-from torchtitan_xla.runtime import common
 from torchtitan_xla.runtime.common import python_scan
 
 
@@ -105,12 +104,11 @@ def checkpoint(fn: Callable, *args):
     return xla_checkpoint(fn, *args)
 
 
-def offload_checkpoint(fn: Callable, *args):
-    """`checkpoint(fn, *args)` with the first argument (the block's input) kept in the host's memory
-    for the backward pass: torch_xla's `place_to_host` / `place_to_device` custom calls, which the
-    TPU compiler's host-offload pass turns into transfers to and from pinned host memory."""
-    with common.saved_on_host(args[0], _place_to_host, _place_to_device):
-        return checkpoint(fn, *args)
+def reentrant_checkpoint(fn: Callable, *args):
+    """torch_xla's checkpoint is the reentrant kind already: its inputs saved with
+    `save_for_backward` (which saved-tensor hooks see), `fn` run without gradients, then again in the
+    backward pass."""
+    return checkpoint(fn, *args)
 
 
 # XLA's CPU compiler has no host-offload pass: it keeps the placement custom calls and then aborts
@@ -119,7 +117,9 @@ def offload_checkpoint(fn: Callable, *args):
 PLACE_ON_CPU_BACKEND = "TORCHTITAN_XLA_COMPILE_HOST_PLACEMENTS"
 
 
-def _place_to_host(t: torch.Tensor) -> torch.Tensor:
+def offload(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the host's memory: torch_xla's `place_to_host` custom call, which the TPU compiler's
+    host-offload pass turns into a transfer to pinned host memory."""
     if _on_cpu_backend() and not os.environ.get(PLACE_ON_CPU_BACKEND):
         return t
     from torch_xla.experimental.stablehlo_custom_call import place_to_host
@@ -127,7 +127,8 @@ def _place_to_host(t: torch.Tensor) -> torch.Tensor:
     return place_to_host(t)
 
 
-def _place_to_device(t: torch.Tensor) -> torch.Tensor:
+def reload(t: torch.Tensor) -> torch.Tensor:
+    """`offload`'s tensor back on the device (`place_to_device`)."""
     if _on_cpu_backend() and not os.environ.get(PLACE_ON_CPU_BACKEND):
         return t
     from torch_xla.experimental.stablehlo_custom_call import place_to_device
