@@ -120,6 +120,115 @@ def test_blockwise_attention_equals_sdpa_float64(seqlen):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
 
 
+def _window_reference(q, k, v, window: int, documents=None):
+    """torch's SDPA with the sliding-window mask written out: key j seen by query i iff
+    0 <= i - j < window (and in its document)."""
+    i = torch.arange(q.shape[-2])[:, None]
+    mask = ((i - torch.arange(k.shape[-2])[None, :]) >= 0) & ((i - torch.arange(k.shape[-2])[None, :]) < window)
+    if documents is not None:
+        mask = (documents[:, :, None] == documents[:, None, :]) & mask
+        mask = mask[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("seqlen, window", [(5, 8), (48, 8), (50, 7), (64, 16)])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_sliding_window_attention_equals_the_masked_reference_in_every_kernel_float64(seqlen, window, packed):
+    """A sliding window (sequences shorter and longer than it, windows the blocks do not divide,
+    with and without packed documents): the model's einsum sdpa, the blockwise kernel and the
+    native runtime's fused kernel give torch's SDPA under the window's mask written out, values
+    and gradients; the blockwise kernel multiplies only the keys from each query block's first
+    window on."""
+    from torchtitan_xla.models.llama import blockwise_attention
+    from torchtitan_xla.models.llama.layers import ScaledDotProductAttention
+    from torchtitan_xla.runtime.native.kernels import flash_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, seqlen, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    documents = positions = None
+    if packed:  # two documents a row, split at different places
+        documents = torch.stack([(torch.arange(seqlen) >= seqlen // 3).long() + 1,
+                                 (torch.arange(seqlen) >= seqlen // 2).long() + 1])
+        positions = torch.arange(seqlen).expand(2, seqlen)
+    expected = _window_reference(q, k, v, window, documents)
+    products = []
+    apply = blockwise_attention._QueriesTimesKeys.apply
+
+    def counted(a, b):
+        products.append(a.shape[-2] * b.shape[-2])
+        return apply(a, b)
+
+    blockwise_attention._QueriesTimesKeys.apply = counted
+    try:
+        got = {"sdpa": ScaledDotProductAttention(window)(q, k, v, *(() if documents is None else (documents, positions))),
+               "blockwise": BlockwiseCausalAttention(window=window)(q, k, v, documents),
+               "native flash": flash_attention(q, k, v, segment_ids=documents, window=window)}
+    finally:
+        blockwise_attention._QueriesTimesKeys.apply = apply
+    grad_out = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    for name, out in got.items():
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12, msg=name)
+        for g, e in zip(torch.autograd.grad(out, (q, k, v), grad_out), expected_grads):
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-12, msg=name)
+    # Query blocks of at most half a window (at least 4), each against its keys from the window
+    # of its first query on.
+    n = min(max(4, -(-2 * seqlen // window)), seqlen)
+    bounds = [seqlen * i // n for i in range(n + 1)]
+    assert products == [(e - s) * (e - max(s - window + 1, 0)) for s, e in zip(bounds, bounds[1:])]
+
+
+def test_blockwise_sliding_window_multiplies_a_fraction_of_the_causal_scores():
+    """At a sequence 4 windows long (256, window 64): the blockwise kernel multiplies 0.33 of the
+    [seq, seq] scores, 0.58 of what causal blocks of the same size do (the window's band is 0.22 of
+    the scores and the causal triangle 0.5)."""
+    from torchtitan_xla.models.llama import blockwise_attention
+
+    products = []
+    apply = blockwise_attention._QueriesTimesKeys.apply
+    blockwise_attention._QueriesTimesKeys.apply = lambda a, b: products.append(a.shape[-2] * b.shape[-2]) or apply(a, b)
+    try:
+        q = torch.randn(1, 1, 256, 8)
+        BlockwiseCausalAttention(window=64)(q, q, q)
+        windowed = sum(products)
+        products.clear()
+        BlockwiseCausalAttention(blocks=8)(q, q, q)  # the same 8 blocks, causal only
+        causal = sum(products)
+    finally:
+        blockwise_attention._QueriesTimesKeys.apply = apply
+    assert windowed / 256**2 == pytest.approx(0.33, abs=0.005)
+    assert windowed / causal == pytest.approx(0.58, abs=0.005)
+
+
+def test_a_models_local_layers_are_its_windowed_ones_and_the_kv_cache_keeps_to_them():
+    """`sliding_window_pattern` p: every p-th block global, the rest local (Gemma 3: 6, gpt-oss: 2).
+    Greedy decoding through the KV cache gives the logits of the whole sequence at once, with the
+    window's mask on the local layers (a prompt longer than the window)."""
+    from torchtitan_xla.generate.cache import KVCache
+    from torchtitan_xla.models.llama import ModelArgs, Transformer
+
+    args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=24,
+                     sliding_window=5, sliding_window_pattern=2)
+    assert [args.window(i) for i in range(4)] == [5, 0, 5, 0]
+    torch.manual_seed(0)
+    model = Transformer(args).double()
+    model.init_weights()
+    assert [b.attention.sdpa.window for b in model.layers.values()] == [5, 0, 5, 0]
+    tokens = torch.randint(1, 50, (2, 20))
+    whole = model(tokens)
+    plain = Transformer(dataclasses.replace(args, sliding_window=0)).double()
+    plain.load_state_dict(model.state_dict())
+    assert not torch.allclose(plain(tokens), whole)  # the window changes the logits beyond 5 tokens
+    cache = KVCache(4, 2, 24, "cpu")
+    documents = torch.ones(2, 20, dtype=torch.long)
+    cache.write(torch.arange(12), torch.arange(12).expand(2, 12), documents[:, :12])
+    steps = [model(tokens[:, :12], torch.arange(12).expand(2, 12), documents[:, :12], cache=cache)]
+    for t in range(12, 20):
+        cache.write(torch.tensor([t]), torch.tensor([[t], [t]]), documents[:, t:t + 1])
+        steps.append(model(tokens[:, t:t + 1], torch.tensor([[t], [t]]), documents[:, t:t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-12)
+
+
 _BLOCKWISE_PROBE = """
 import torch, torch_xla, torch_xla.runtime as xr
 xr.use_spmd()

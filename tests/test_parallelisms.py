@@ -400,7 +400,7 @@ def test_model_and_batch_checks():
     ([AC + "offload", "qkv_proj", AC + "mode", "full", "--model.name", "deepseek_v3"],
      r"not with command line: --model.name = 'deepseek_v3' \(latent attention"),
     ([AC + "offload", "decoder_layer_input"], r"offload = \['decoder_layer_input'\] needs \[activation_checkpoint\] "
-     r"mode = \"full\" \(each block recomputed from its offloaded input\), not 'selective'"),
+     r"mode = \"full\" \(each block recomputed in the backward pass from what it kept\), not 'selective'"),
     ([AC + "offload", "decoder_layer_input", AC + "mode", "full", P + "pipeline_parallel_degree", "2"],
      r"cannot be combined with \[parallelism\] pipeline_parallel_degree = 2: the pipeline stages"),
 ])

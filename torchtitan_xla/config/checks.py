@@ -89,7 +89,7 @@ def _check_offload(cfg: JobConfig, args, sources) -> None:
     ac, where = cfg.activation_checkpoint, sources.describe("activation_checkpoint", "offload")
     if ac.mode != "full":
         raise ConfigError(f"{where} = {ac.offload!r} needs [activation_checkpoint] mode = \"full\" (each "
-                          f"block recomputed from its offloaded input), not {ac.mode!r}")
+                          f"block recomputed in the backward pass from what it kept), not {ac.mode!r}")
     stages = cfg.parallelism.pipeline_parallel_degree
     if stages > 1:  # (scan refuses mode full itself)
         raise ConfigError(f"{where} = {ac.offload!r} cannot be combined with [parallelism] "
@@ -158,6 +158,19 @@ def _check_attention(cfg: JobConfig, args, sources) -> None:
                           f"and splash kernels take values as wide as the queries and keys, and the latent "
                           f"attention of {cfg.model.name} {cfg.model.flavor} has {args.v_dim} against "
                           f"{args.qk_head_dim} features per head; use sdpa or blockwise")
+    if args.sliding_window and cfg.model.attention == "flash" and cfg.runtime.backend == "xla":
+        raise ConfigError(f"{sources.describe('model', 'attention')} = 'flash': torch_xla's Pallas flash "
+                          f"kernel has no sliding window, and {cfg.model.name} {cfg.model.flavor} attends "
+                          f"within {args.sliding_window} tokens; use splash, sdpa or blockwise")
+    # Scan and the pipeline's stages run one block's code for a stack of blocks.
+    stacked = [(s, k) for s, k, on in (("compile", "scan_layers", cfg.compile.scan_layers),
+                                       ("parallelism", "pipeline_parallel_degree",
+                                        cfg.parallelism.pipeline_parallel_degree > 1)) if on]
+    if args.sliding_window and stacked:
+        section, key = stacked[0]
+        raise ConfigError(f"{sources.describe(section, key)} = {getattr(getattr(cfg, section), key)!r} runs "
+                          f"every block as one, and {cfg.model.name} {cfg.model.flavor} has sliding-window "
+                          f"blocks ({args.sliding_window} tokens): not supported yet")
     _check_context_parallel(cfg, args, sources)
     _check_pipeline_parallel(cfg, args, sources)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan_xla.models.llama.layers import within
+
 UNWRITTEN = 1 << 30  # the position of a slot not yet written: after every query's
 
 
@@ -47,9 +49,13 @@ class LayerCache:
     def __init__(self, cache: KVCache, layer: int):
         self._cache, self._layer = cache, layer
 
-    @property
-    def mask(self) -> torch.Tensor:
-        return self._cache.mask
+    def mask_within(self, window: int = 0) -> torch.Tensor:
+        """This call's mask; with a `window`, only the keys fewer than `window` positions back."""
+        cache = self._cache
+        if not window:
+            return cache.mask
+        near = within(cache.query_positions[:, :, None], cache.key_positions[:, None, :], window)
+        return cache.mask & near[:, None]
 
     def update(self, *new: torch.Tensor) -> list[torch.Tensor]:
         """Store `new` [batch, tokens, ...] at this call's slots; every slot's values, [batch, size, ...]."""
@@ -70,7 +76,7 @@ class KVCache:
         self.key_positions = torch.full((batch, size), UNWRITTEN, dtype=torch.long, device=device)
         self.key_documents = torch.zeros((batch, size), dtype=torch.long, device=device)
         self.buffers: list[list[torch.Tensor] | None] = [None] * n_layers
-        self.slots = self.mask = None
+        self.slots = self.mask = self.query_positions = None
 
     def __getitem__(self, layer: int) -> LayerCache:
         return LayerCache(self, layer)
@@ -78,8 +84,8 @@ class KVCache:
     def write(self, slots: torch.Tensor, positions: torch.Tensor, document_ids: torch.Tensor) -> None:
         """The next call's tokens go to `slots` [tokens] of every row, at `positions` [batch, tokens]
         of `document_ids` [batch, tokens]."""
-        self.slots = slots
+        self.slots, self.query_positions = slots, positions
         self.key_positions.index_copy_(1, slots, positions)
         self.key_documents.index_copy_(1, slots, document_ids)
         same = document_ids[:, :, None] == self.key_documents[:, None, :]
-        self.mask = (same & (self.key_positions[:, None, :] <= positions[:, :, None]))[:, None]
+        self.mask = (same & within(positions[:, :, None], self.key_positions[:, None, :]))[:, None]

@@ -33,7 +33,7 @@ def _on_host(like: torch.Tensor) -> torch.Tensor:
     copies to and from pinned memory run beside the compute."""
     local = _local(like)
     host = torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
-                       pin_memory=torch.accelerator.is_available())
+                       pin_memory=local.device.type != "cpu")
     if not isinstance(like, DTensor):
         return host
     return DTensor.from_local(host, like.device_mesh, like.placements, run_check=False,

@@ -30,7 +30,7 @@ def _checkpoint_block(block: nn.Module, offload: list[str] = ()) -> None:
         # The block's input is still fenced, which keeps the recomputation apart.
         original = functools.partial(original)
     if not offload:
-        block.forward = lambda *args: runtime.kernels.checkpoint(original, *args)
+        _when_recording(block, lambda *args: runtime.kernels.checkpoint(original, *args))
         return
     kernels = runtime.kernels
     attention = block.attention
@@ -51,6 +51,20 @@ def _checkpoint_block(block: nn.Module, offload: list[str] = ()) -> None:
         on_host = "decoder_layer_input" in offload
         with _saved_on_host(args[0]) if on_host else contextlib.nullcontext():
             return kernels.reentrant_checkpoint(run_fn, *args)
+
+    _when_recording(block, forward)
+
+
+def _when_recording(block: nn.Module, checkpointed) -> None:
+    """`block` runs as `checkpointed(*args)` while autograd records, as it was otherwise: without
+    gradients (validation, reference scoring, generation with its KV cache, which is passed by
+    keyword) nothing is kept for a backward pass, and nothing need be recomputed or offloaded."""
+    plain = block.forward
+
+    def forward(*args, **kwargs):
+        if kwargs or not torch.is_grad_enabled():
+            return plain(*args, **kwargs)
+        return checkpointed(*args)
 
     block.forward = forward
 
@@ -77,23 +91,26 @@ def _projections_kept(projections: list[nn.Linear], kept: list, again: bool):
     """Within a checkpointed block: the first run (the forward pass, without gradients) keeps each
     projection's output on the host; the recomputation takes them back in the same order, and
     each projection then only computes its gradients (`_KeptLinear`)."""
-    saved = [p.forward for p in projections]
+    saved = [(p.forward, "forward" in p.__dict__) for p in projections]
 
-    def keep(layer, x):
-        y = layer.__class__.forward(layer, x)
+    def keep(layer, forward, x):
+        y = forward(x)
         kept.append(runtime.kernels.offload(y.detach()))
         return y
 
-    def take_back(layer, x):
+    def take_back(layer, forward, x):
         return _KeptLinear.apply(x, layer.weight, layer.bias, runtime.kernels.reload(kept.pop(0)))
 
-    for p in projections:
-        p.forward = functools.partial(take_back if again else keep, p)
+    for p, (forward, _) in zip(projections, saved):
+        p.forward = functools.partial(take_back if again else keep, p, forward)
     try:
         yield
     finally:
-        for p, f in zip(projections, saved):
-            p.forward = f
+        for p, (forward, own) in zip(projections, saved):
+            if own:
+                p.forward = forward
+            else:
+                del p.forward
 
 
 class _KeptLinear(torch.autograd.Function):
@@ -113,10 +130,11 @@ class _KeptLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         device, dtype, enabled = ctx.autocast
+        needs_x, needs_weight, needs_bias, _ = ctx.needs_input_grad
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            flat = grad.flatten(0, -2)
-            grad_bias = flat.sum(0) if ctx.has_bias else None
-            return grad @ weight, flat.t() @ x.flatten(0, -2), grad_bias, None
+            flat = grad.flatten(0, -2)  # only the gradients autograd asks for (LoRA's base: none)
+            return (grad @ weight if needs_x else None, flat.t() @ x.flatten(0, -2) if needs_weight else None,
+                    flat.sum(0) if needs_bias and ctx.has_bias else None, None)
 
 
 # Outputs kept by op-level selective checkpointing: the weight matmuls (Linear layers lower to
@@ -157,7 +175,7 @@ def _selective_op_block(block: nn.Module) -> None:
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
                           context_fn=context_fn)
 
-    block.forward = forward
+    _when_recording(block, forward)
 
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:

@@ -62,6 +62,12 @@ class ModelArgs:
     head_dim_override: int | None = None
     # One matrix for the input embedding and the output projection (Qwen3 0.6B-4B, Llama 3.2).
     tie_embeddings: bool = False
+    # Sliding-window (local) attention: a local block's query sees the `sliding_window` keys up to
+    # and including its own position (transformers' definition). With `sliding_window_pattern` p
+    # > 0, every p-th block ((i + 1) % p == 0) is global (Gemma 3: 6, gpt-oss: 2); with 0 all are
+    # local. sliding_window 0: none.
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
     # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
     num_experts: int = 0  # 0: dense SwiGLU in every block
     top_k: int = 2  # experts per token; their router probabilities are renormalised to sum 1
@@ -156,6 +162,11 @@ class ModelArgs:
     @property
     def expert_hidden_dim(self) -> int:
         return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.ffn_hidden_dim
+
+    def window(self, i: int) -> int:
+        """Block i's attention window (0-based; 0: global)."""
+        p = self.sliding_window_pattern
+        return 0 if not self.sliding_window or (p and (i + 1) % p == 0) else self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block i (0-based) has a mixture of experts instead of the dense SwiGLU."""

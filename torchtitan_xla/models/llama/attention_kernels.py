@@ -30,9 +30,9 @@ HEADS_SPEC = (BATCH_AXES, "tp", None, None)
 class KernelAttention(nn.Module):
     """The runtime's flash or splash attention kernel, sharded like the heads."""
 
-    def __init__(self, kind: str, mesh, spec=HEADS_SPEC):
+    def __init__(self, kind: str, mesh, spec=HEADS_SPEC, window: int = 0):
         super().__init__()
-        self.kind, self.mesh, self.spec = kind, mesh, spec
+        self.kind, self.mesh, self.spec, self.window = kind, mesh, spec, window
 
     def forward(self, q, k, v, document_ids=None, positions=None):
         # Masked by index and segment: positions in index order (context parallelism is refused).
@@ -40,7 +40,7 @@ class KernelAttention(nn.Module):
         kernel = kernels.flash_attention if self.kind == "flash" else kernels.splash_attention
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         segments = None if document_ids is None else document_ids.to(torch.int32)
-        return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=segments)
+        return kernel(q, k, v, mesh=self.mesh, spec=self.spec, segment_ids=segments, window=self.window)
 
 
 def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) -> None:
@@ -49,8 +49,8 @@ def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) 
         return
     if kind == "blockwise":
         for block in model.layers.values():
-            block.attention.sdpa = BlockwiseCausalAttention()
-        logger.info("Attention: blockwise causal (4 query blocks)")
+            block.attention.sdpa = BlockwiseCausalAttention(window=block.attention.sdpa.window)
+        logger.info("Attention: blockwise causal (4 query blocks, more with a sliding window)")
         return
     kernel = runtime.kernels.attention_kernel(kind, device_type)
     if kernel is None:
@@ -58,5 +58,5 @@ def apply_attention_kernel(model: nn.Module, kind: str, mesh, device_type: str) 
                        f"this {device_type} run uses sdpa")
         return
     for block in model.layers.values():
-        block.attention.sdpa = KernelAttention(kind, mesh)
+        block.attention.sdpa = KernelAttention(kind, mesh, window=block.attention.sdpa.window)
     logger.info(f"Attention: {kernel}")

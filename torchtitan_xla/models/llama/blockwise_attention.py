@@ -69,11 +69,13 @@ class _ProbsTimesValues(torch.autograd.Function):
 class BlockwiseCausalAttention(nn.Module):
     """Causal attention over [batch, heads, seq, head_dim] in `blocks` query blocks (within
     documents, given `document_ids`); replaces a block's `attention.sdpa`
-    (attention_kernels.apply_attention_kernel)."""
+    (attention_kernels.apply_attention_kernel). With a sliding `window`, each query block reads
+    only the keys from its first query's window on, in blocks half a window long at most: the
+    keys wholly outside the window are never multiplied."""
 
-    def __init__(self, blocks: int = 4):
+    def __init__(self, blocks: int = 4, window: int = 0):
         super().__init__()
-        self.blocks = blocks
+        self.blocks, self.window = blocks, window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: torch.Tensor | None = None,
@@ -81,19 +83,20 @@ class BlockwiseCausalAttention(nn.Module):
         # Keys are skipped by index: the positions are those of a sequence in index order (the
         # config refuses this kernel with context parallelism, which reorders), so unused.
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        seqlen = q.shape[-2]
-        n = min(self.blocks, seqlen)
+        seqlen, window = q.shape[-2], self.window
+        n = min(max(self.blocks, -(-2 * seqlen // window) if window else 0), seqlen)
         bounds = [seqlen * i // n for i in range(n + 1)]
         q = q * q.shape[-1] ** -0.5
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
-            scores = _QueriesTimesKeys.apply(q[..., start:end, :], k[..., :end, :])
+            first = max(start - window + 1, 0) if window else 0  # the first key any query here sees
+            scores = _QueriesTimesKeys.apply(q[..., start:end, :], k[..., first:end, :])
             # Each block's mask is built from positions, not sliced from one [seq, seq] mask: with
             # sliced masks, op-level selective checkpointing (torch's dispatch-mode SAC) on
             # torch_xla 2.9 gave wrong forward values from 4 blocks on (cause not found; the
             # selective_op tests compare against no checkpointing bit for bit).
             mask = attention_mask(torch.arange(start, end, device=q.device),
-                                  torch.arange(end, device=q.device), document_ids)
+                                  torch.arange(first, end, device=q.device), document_ids, window)
             scores = scores.masked_fill(~mask, float("-inf"))  # never a whole row: a query sees itself
-            outs.append(_ProbsTimesValues.apply(torch.softmax(scores, dim=-1), v[..., :end, :]))
+            outs.append(_ProbsTimesValues.apply(torch.softmax(scores, dim=-1), v[..., first:end, :]))
         return torch.cat(outs, dim=-2)

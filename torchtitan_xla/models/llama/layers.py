@@ -126,29 +126,40 @@ class RMSNorm(nn.Module):
 
 
 def attention_mask(queries: torch.Tensor, keys: torch.Tensor,
-                   document_ids: torch.Tensor | None) -> torch.Tensor:
-    """Which keys each query sees: causal over positions `queries` [q] and `keys` [k], and with
-    `document_ids` [batch, seq] (several documents packed in one sequence) only its own document's.
-    Document 0 is padding (packing.py).
+                   document_ids: torch.Tensor | None, window: int = 0) -> torch.Tensor:
+    """Which keys each query sees: causal over positions `queries` [q] and `keys` [k] (with a
+    `window`, only the `window` latest, its own included), and with `document_ids` [batch, seq]
+    (several documents packed in one sequence) only its own document's. Document 0 is padding
+    (packing.py).
     [q, k], or [batch, 1, q, k] with documents."""
-    mask = keys[None, :] <= queries[:, None]
+    mask = within(queries[:, None], keys[None, :], window)
     if document_ids is None:
         return mask
     same = document_ids[:, queries, None] == document_ids[:, None, keys]
     return (mask & same)[:, None]
 
 
-def position_mask(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq]: each query sees the keys of its document at or before its position,
-    wherever they are in the sequence (context parallelism reorders it)."""
+def position_mask(document_ids: torch.Tensor, positions: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[batch, 1, seq, seq]: each query sees the keys of its document at or before its position
+    (and within its `window`), wherever they are in the sequence (context parallelism reorders it)."""
     same = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same & (positions[:, None, :] <= positions[:, :, None]))[:, None]
+    return (same & within(positions[:, :, None], positions[:, None, :], window))[:, None]
+
+
+def within(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Causal: a key at or before its query; with a `window`, also fewer than `window` before it."""
+    seen = key_positions <= query_positions
+    return seen if not window else seen & (key_positions > query_positions - window)
 
 
 class ScaledDotProductAttention(nn.Module):
-    """Causal attention over [batch, heads, seq, head_dim]; given `document_ids` and `positions`
-    [batch, seq], within documents and by position; a module so a kernel can replace it
-    (attention_kernels.py)."""
+    """Causal attention over [batch, heads, seq, head_dim] (within a sliding `window` if one is
+    given); given `document_ids` and `positions` [batch, seq], within documents and by position; a
+    module so a kernel can replace it (attention_kernels.py)."""
+
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: torch.Tensor | None = None,
@@ -160,9 +171,9 @@ class ScaledDotProductAttention(nn.Module):
         # copy (with context parallelism the keys' gradient is then summed at the kv heads' width).
         if positions is None:
             seq = torch.arange(q.shape[2], device=q.device)
-            mask = attention_mask(seq, seq, None)
+            mask = attention_mask(seq, seq, None, self.window)
         else:
-            mask = position_mask(document_ids, positions)  # [batch, 1, q, k]
+            mask = position_mask(document_ids, positions, self.window)  # [batch, 1, q, k]
         return masked_attention(q, k, v, mask)
 
 

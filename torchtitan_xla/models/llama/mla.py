@@ -73,7 +73,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is None:
             out = self.sdpa(q, k, v, *mask)
         else:
-            out = masked_attention(q, k, v, cache.mask, heads_outer=True)
+            out = masked_attention(q, k, v, cache.mask_within(), heads_outer=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -40,14 +40,15 @@ __all__ = ["Attention", "FeedForward", "Transformer", "TransformerBlock"]
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.sdpa = ScaledDotProductAttention()
+        self.window = args.window(layer_id)  # 0: global
+        self.sdpa = ScaledDotProductAttention(self.window)
         if args.qk_norm:  # Qwen3: over each head's vector, shared by the heads
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
@@ -72,7 +73,7 @@ class Attention(nn.Module):
         if cache is None:
             out = self.sdpa(q, k, v, *mask)
         else:
-            out = masked_attention(q, k, v, cache.mask, heads_outer=True)
+            out = masked_attention(q, k, v, cache.mask_within(self.window), heads_outer=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -87,7 +88,7 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
-        self.attention = MultiHeadLatentAttention(args) if args.mla else Attention(args)
+        self.attention = MultiHeadLatentAttention(args) if args.mla else Attention(args, layer_id)
         if args.is_moe_layer(layer_id):
             self.feed_forward = MoE(args.dim, args.expert_hidden_dim, args.num_experts, args.top_k,
                                     args.capacity_factor, router=args.router, norm_topk=args.norm_topk,

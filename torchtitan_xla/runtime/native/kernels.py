@@ -35,13 +35,13 @@ def attention_kernel(kind: str, device_type: str) -> str | None:
     return "torch's fused scaled_dot_product_attention" if kind == "flash" else None
 
 
-def flash_attention(q, k, v, *, mesh=None, spec=None, segment_ids=None) -> torch.Tensor:
+def flash_attention(q, k, v, *, mesh=None, spec=None, segment_ids=None, window: int = 0) -> torch.Tensor:
     """Causal attention over [batch, heads, seq, head_dim] (keys and values with as many heads),
-    within the documents of `segment_ids` [batch, seq] if given, through torch's fused kernel
-    (`F.scaled_dot_product_attention`: FlashAttention on CUDA, its flash kernel on the CPU;
-    with documents, a kernel that takes a mask). Each (row, head) attends on its own device, so
-    DTensors sharded over batch and heads run on their local blocks (`mesh`, `spec`: the XLA
-    kernel's)."""
+    within the documents of `segment_ids` [batch, seq] if given and a sliding `window` if one,
+    through torch's fused kernel (`F.scaled_dot_product_attention`: FlashAttention on CUDA, its
+    flash kernel on the CPU; with documents or a window, a kernel that takes a mask). Each (row,
+    head) attends on its own device, so DTensors sharded over batch and heads run on their local
+    blocks (`mesh`, `spec`: the XLA kernel's)."""
     from torch.distributed.tensor import DTensor, Shard
 
     dtensor = q if isinstance(q, DTensor) else None
@@ -53,12 +53,16 @@ def flash_attention(q, k, v, *, mesh=None, spec=None, segment_ids=None) -> torch
         q, k, v = q.to_local(), k.to_local(), v.to_local()
         if isinstance(segment_ids, DTensor):
             segment_ids = segment_ids.to_local()
-    if segment_ids is None:
+    if segment_ids is None and not window:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
         seq = torch.arange(q.shape[-2], device=q.device)
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (seq[:, None] >= seq[None, :])
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        mask = seq[None, :] <= seq[:, None]
+        if window:
+            mask = mask & (seq[None, :] > seq[:, None] - window)
+        if segment_ids is not None:
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask.dim() == 3 else mask)
     if dtensor is None:
         return out
     return DTensor.from_local(out, dtensor.device_mesh, dtensor.placements, shape=dtensor.shape,

@@ -21,18 +21,23 @@ def attention_kernel(kind: str, device_type: str) -> str | None:
     return f"torch_xla's Pallas {kind} attention kernel (not verified on TPU by this project)"
 
 
-def flash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
+def flash_attention(q, k, v, *, mesh, spec, segment_ids=None, window: int = 0) -> torch.Tensor:
     """Causal Pallas flash attention over [batch, heads, seq, head_dim], sharded by `spec`, within
     the documents of `segment_ids` [batch, seq] if given. TPU only; not verified on TPU by this
-    project."""
+    project. torch_xla 2.9's has no sliding window (the config refuses one)."""
     from torch_xla.experimental.custom_kernel import flash_attention as kernel
+
+    if window:
+        raise NotImplementedError("torch_xla's Pallas flash attention has no sliding window")
 
     return kernel(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                   sm_scale=q.shape[-1] ** -0.5, partition_spec=spec, mesh=mesh)
 
 
-def splash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
-    """Causal Pallas splash attention, as `flash_attention`. TPU only; not verified on TPU."""
+def splash_attention(q, k, v, *, mesh, spec, segment_ids=None, window: int = 0) -> torch.Tensor:
+    """Causal Pallas splash attention, as `flash_attention`; a sliding `window` through its local
+    mask, whose window (left, right) counts the keys besides the query's own: window - 1 to the
+    left sees `window` keys. TPU only; not verified on TPU."""
     from torch_xla.experimental.splash_attention import SplashAttentionConfig
     from torch_xla.experimental.splash_attention import splash_attention as kernel
 
@@ -41,7 +46,9 @@ def splash_attention(q, k, v, *, mesh, spec, segment_ids=None) -> torch.Tensor:
                                  "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq",
                                  "sa_block_kv_dq")}
     config = SplashAttentionConfig(mesh=str(mesh), qkv_partition_spec=spec,
-                                   segment_ids_partition_spec=(spec[0], None), **blocks)
+                                   segment_ids_partition_spec=(spec[0], None), **blocks,
+                                   attentiontype_local_sliding=bool(window),
+                                   slide_window_size=window - 1 if window else None)
     # The splash kernel does not scale the scores itself.
     return kernel(q * q.shape[-1] ** -0.5, k, v, config.to_json(), decoder_segment_ids=segment_ids,
                   causal=True)
