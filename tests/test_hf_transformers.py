@@ -267,6 +267,8 @@ FFN_SIZES = {
     ("qwen3", "14B"): 17408, ("qwen3", "32B"): 25600, ("qwen3", "30B-A3B"): 6144, ("qwen3", "235B-A22B"): 12288,
     ("deepseek_v2", "debugmodel"): 768, ("deepseek_v2", "16B"): 10944, ("deepseek_v2", "236B"): 12288,
     ("deepseek_v3", "debugmodel"): 768, ("deepseek_v3", "16B"): 11264, ("deepseek_v3", "671B"): 18432,
+    ("gemma3", "debugmodel"): 768, ("gemma3", "1B"): 6912, ("gemma3", "4B"): 10240, ("gemma3", "12B"): 15360,
+    ("gemma3", "27B"): 21504,
 }
 
 

@@ -68,6 +68,18 @@ class ModelArgs:
     # local. sliding_window 0: none.
     sliding_window: int = 0
     sliding_window_pattern: int = 0
+    # Gemma 3: local blocks' RoPE base (0: rope_theta for every block), the global blocks'
+    # frequencies divided by a linear factor; RMSNorm scaling by (norm_offset + weight), its weight
+    # starting at 1 - norm_offset; norms on the attention's and FFN's outputs too ("sandwich"); the
+    # FFN's gate activation ("silu": SwiGLU, "gelu_tanh": GeGLU); the embedding rows times
+    # sqrt(dim); the attention scores scaled by query_pre_attn_scalar^-0.5 (None: head_dim's).
+    rope_local_theta: float = 0.0
+    rope_linear_factor: float = 1.0
+    norm_offset: float = 0.0
+    sandwich_norm: bool = False
+    ffn_act: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
     # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
     num_experts: int = 0  # 0: dense SwiGLU in every block
     top_k: int = 2  # experts per token; their router probabilities are renormalised to sum 1
@@ -308,7 +320,33 @@ deepseek_v2_configs = {
 }
 
 
+# Gemma 3 (Google, 2025), its text model: GeGLU, four norms per block with (1 + weight), query and
+# key norms, embeddings scaled by sqrt(dim) and tied, five local blocks (a 512 / 1024-token window,
+# RoPE base 1e4) per global one (base 1e6, 4B-27B linearly scaled by 8). The numbers of the
+# checkpoints' config.json (27B: 168 as the query scale's base); vocabulary from the tokenizer
+# (262,144; the multimodal 4B-27B checkpoints carry 64 more rows). The debug model: every option on,
+# 6 blocks (one global), a 16-token window, a scaled global RoPE and a query scale of its own.
+def _gemma3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, *, head_dim: int = 256,
+            window: int = 1024, linear: float = 8.0, context: int = 131072,
+            query_scalar: float | None = None) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn,
+                     head_dim_override=head_dim, qk_norm=True, rope_theta=1e6, rope_local_theta=1e4,
+                     rope_linear_factor=linear, norm_eps=1e-6, max_seq_len=context, tie_embeddings=True,
+                     sliding_window=window, sliding_window_pattern=6, norm_offset=1.0, sandwich_norm=True,
+                     ffn_act="gelu_tanh", embed_scale=True, query_pre_attn_scalar=query_scalar)
+
+
+gemma3_configs = {  # dim, layers, heads, kv heads, FFN size
+    "debugmodel": _gemma3(256, 6, 4, 2, 768, head_dim=64, window=16, linear=4.0, context=2048,
+                          query_scalar=48),
+    "1B": _gemma3(1152, 26, 4, 1, 6912, window=512, linear=1.0, context=32768),
+    "4B": _gemma3(2560, 34, 8, 4, 10240),
+    "12B": _gemma3(3840, 48, 16, 8, 15360),
+    "27B": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_scalar=168),
+}
+
+
 # The registry: `[model] name` -> its flavors.
 models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
                  "qwen3": qwen3_configs, "deepseek_v2": deepseek_v2_configs,
-                 "deepseek_v3": deepseek_v3_configs}
+                 "deepseek_v3": deepseek_v3_configs, "gemma3": gemma3_configs}

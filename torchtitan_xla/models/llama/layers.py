@@ -5,6 +5,7 @@ Plain PyTorch, no parallelism code."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,12 +49,27 @@ class Embedding(nn.Embedding):
 
 
 def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, shape [max_seq_len, rope_dim // 2], in float64.
+    """cos and sin of position * frequency, shape [max_seq_len, rope_dim // 2], in float64; with a
+    local base (Gemma 3's `rope_local_theta`), the local blocks' tables after the global ones,
+    [max_seq_len, rope_dim] (one pair of tensors for every signature that passes them on; each
+    block takes its half, model.Attention).
 
     Computed in float64 on the host (the tables are small) and stored in the buffers' dtype, which
     keeps positions near max_seq_len accurate."""
+    cos, sin = _rope_tables(args, args.rope_theta)
+    if args.rope_local_theta:
+        local_cos, local_sin = _rope_tables(args, args.rope_local_theta, local=True)
+        cos, sin = torch.cat([cos, local_cos], -1), torch.cat([sin, local_sin], -1)
+    return cos, sin
+
+
+def _rope_tables(args: ModelArgs, theta: float, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     d = args.rope_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if local:  # Gemma 3's local blocks: plain RoPE
+        angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+        return angles.cos(), angles.sin()
+    freqs = freqs / args.rope_linear_factor
     if args.rope_scaling is not None:
         s = args.rope_scaling
         wavelen = 2 * math.pi / freqs
@@ -111,18 +127,21 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) times (offset + weight): Llama's offset 0 (weight from 1), Gemma's 1 (from 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = upcast(x)  # normalise in float32 even under bf16 autocast
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight).type_as(x)
+        scale = self.weight + self.offset if self.offset else self.weight
+        return (out * scale).type_as(x)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, 1.0 - self.offset)
 
 
 def attention_mask(queries: torch.Tensor, keys: torch.Tensor,
@@ -196,17 +215,21 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return (out.transpose(0, 1) if heads_outer else out).reshape(b, h, s, v.shape[-1])
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+GATES = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
-    def __init__(self, dim: int, hidden_dim: int):
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); with act "gelu_tanh", GeGLU (Gemma)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act: str = "silu"):
         super().__init__()
+        self.act = GATES[act]
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)

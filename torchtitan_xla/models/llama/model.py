@@ -49,9 +49,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.window = args.window(layer_id)  # 0: global
         self.sdpa = ScaledDotProductAttention(self.window)
-        if args.qk_norm:  # Qwen3: over each head's vector, shared by the heads
-            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        # Gemma 3: RoPE tables of two bases, this block's half; scores scaled by
+        # query_pre_attn_scalar^-0.5, as the queries times sqrt(head_dim / it) under the kernels'
+        # head_dim^-0.5.
+        self.rope_half = bool(args.rope_local_theta)
+        scalar = args.query_pre_attn_scalar
+        self.query_scale = (self.head_dim / scalar) ** 0.5 if scalar else 1.0
+        if args.qk_norm:  # Qwen3, Gemma 3: over each head's vector, shared by the heads
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 *mask: torch.Tensor, cache=None) -> torch.Tensor:
@@ -64,7 +70,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_half:
+            half = cos.shape[-1] // 2
+            part = slice(half, None) if self.window else slice(None, half)
+            cos, sin = cos[..., part], sin[..., part]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         if cache is not None:
             k, v = cache.update(k, v)
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads (the
@@ -96,24 +108,32 @@ class TransformerBlock(nn.Module):
                                     topk_groups=args.topk_groups, routed_scaling=args.routed_scaling,
                                     shared_experts=args.shared_experts)
         else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.ffn_act)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        if args.sandwich_norm:  # Gemma: the attention's and the FFN's outputs normalised too
+            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 *mask: torch.Tensor, cache=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, *mask, cache=cache)
+        h = x + self._post("post_attention_norm", self.attention(self.attention_norm(x), cos, sin, *mask,
+                                                                  cache=cache))
         if mask and isinstance(self.feed_forward, MoE):
             # Padding (document 0) is routed nowhere: it takes no expert slot and no share of
             # the router losses.
-            return h + self.feed_forward(self.ffn_norm(h), mask[0] != 0)
-        return h + self.feed_forward(self.ffn_norm(h))
+            return h + self._post("post_ffn_norm", self.feed_forward(self.ffn_norm(h), mask[0] != 0))
+        return h + self._post("post_ffn_norm", self.feed_forward(self.ffn_norm(h)))
+
+    def _post(self, norm: str, out: torch.Tensor) -> torch.Tensor:
+        return getattr(self, norm)(out) if hasattr(self, norm) else out
 
     def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+        for norm in ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm"):
+            if hasattr(self, norm):
+                getattr(self, norm).reset_parameters()
         self.attention.init_weights(self.init_std)
         self.feed_forward.init_weights(self.init_std)
 
@@ -157,7 +177,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = Embedding(args.vocab_size, args.dim)
         self.layers = Layers({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = (TiedOutput(self.tok_embeddings) if args.tie_embeddings
                        else nn.Linear(args.dim, args.vocab_size, bias=False))
         # Derived from args, so not saved in checkpoints; (re)computed by init_weights().
@@ -192,7 +212,10 @@ class Transformer(nn.Module):
         mask = () if document_ids is None else (document_ids, positions)
         # `cache` only when given: scan replaces the layers with a module that takes none.
         extra = {} if cache is None else {"cache": cache}
-        return self.norm(self.layers(self.tok_embeddings(tokens), cos, sin, *mask, **extra))
+        h = self.tok_embeddings(tokens)
+        if self.args.embed_scale:  # Gemma: the rows times sqrt(dim)
+            h = h * self.args.dim ** 0.5
+        return self.norm(self.layers(h, cos, sin, *mask, **extra))
 
     @torch.no_grad()
     def init_weights(self) -> None:

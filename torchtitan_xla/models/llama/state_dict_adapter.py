@@ -53,6 +53,13 @@ _MLA_MAP = {
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Gemma 3's four norms per block: HF's post_attention_layernorm normalises the attention's output,
+# pre_feedforward_layernorm is Llama's post_attention_layernorm (our ffn_norm).
+_SANDWICH_MAP = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 _EXPERT_BIAS = ("feed_forward.expert_bias", "mlp.gate.e_score_correction_bias")
 _TOP_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -82,6 +89,8 @@ _MOE_PREFIXES = ("block_sparse_moe.", "mlp.gate.", "mlp.experts.")  # HF names w
 
 
 def _layer_map(args: ModelArgs) -> dict[str, str]:
+    if args.sandwich_norm:
+        return {**_LAYER_MAP, **_SANDWICH_MAP}
     if not args.mla:
         return _LAYER_MAP
     mha_only = ("attention.wk.weight", "attention.wv.weight", "attention.q_norm.weight",
@@ -208,6 +217,8 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
     moe, qwen3 = args.num_experts > 0, args.qk_norm
     if args.mla:
         return _deepseek_config(args, bos_id, eos_id, dtype)
+    if args.sandwich_norm:
+        return _gemma3_config(args, bos_id, eos_id, dtype)
     if args.router != "softmax" or not args.norm_topk or args.routed_scaling != 1.0 or args.shared_experts:
         raise ValueError("no transformers architecture has Llama attention with DeepSeek's routing: "
                          "export to HuggingFace needs a deepseek_v2 or deepseek_v3 model (latent attention)")
@@ -274,6 +285,39 @@ def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None 
         cfg["bos_token_id"] = bos_id
     if eos_id is not None:
         cfg["eos_token_id"] = eos_id
+    return cfg
+
+
+def _gemma3_config(args: ModelArgs, bos_id: int | None, eos_id: int | None, dtype: str) -> dict[str, Any]:
+    """`Gemma3ForCausalLM`'s config.json (model_type gemma3_text): each block's attention type listed,
+    the global blocks' RoPE base and linear scaling, the local ones' base."""
+    gemma = (args.norm_offset == 1.0 and args.qk_norm and args.embed_scale and args.tie_embeddings
+             and args.ffn_act == "gelu_tanh" and not args.num_experts and args.rope_scaling is None
+             and args.yarn is None)
+    if not gemma:
+        raise ValueError("a model with Gemma's sandwich norms exports to HuggingFace as Gemma 3 only: "
+                         "with the gemma3 flavors' other options (norm offset 1, query/key norms, GeGLU, "
+                         "scaled and tied embeddings, no experts)")
+    cfg: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": args.norm_eps,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": max(args.context_len, args.max_seq_len),
+        "query_pre_attn_scalar": args.query_pre_attn_scalar or args.head_dim,
+        "sliding_window": args.sliding_window,
+        "layer_types": ["sliding_attention" if args.window(i) else "full_attention"
+                        for i in range(args.n_layers)],
+        "rope_theta": args.rope_theta, "rope_local_base_freq": args.rope_local_theta or args.rope_theta,
+        "rope_scaling": ({"rope_type": "linear", "factor": args.rope_linear_factor}
+                         if args.rope_linear_factor != 1.0 else None),
+        "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "torch_dtype": dtype,
+    }
+    for key, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+        if value is not None:
+            cfg[key] = value
     return cfg
 
 
