@@ -6,6 +6,7 @@ model of the same config, and the debug model's training on fsdp=4 x tp=2 agains
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -85,6 +86,35 @@ def test_a_packed_batch_gives_each_documents_own_logits(float64_gemma):
         torch.testing.assert_close(packed[:, start:end], hf(tokens[:, start:end]).logits, rtol=0, atol=1e-12)
 
 
+def test_a_transformers_folder_imports_with_its_architecture_and_logits(float64_gemma, tmp_path):
+    """transformers' Gemma3ForCausalLM saved by save_pretrained: its config.json (per-type RoPE
+    parameters and layer types, as transformers 5 writes them) reads as the debug flavor's
+    architecture, alone and as a multimodal config's text_config; its weights give its logits, also
+    under a multimodal folder's names (`language_model.model.*`) beside vision weights."""
+    from safetensors.torch import load_file
+
+    from torchtitan_xla.models.llama.hf_args import architecture_difference, model_args_from_hf_config
+
+    args, model, hf = _models()
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "rope_parameters" in config
+    for cfg in (config, {"model_type": "gemma3", "text_config": config}):
+        assert architecture_difference(model_args_from_hf_config(cfg), args) is None
+    weights = load_file(tmp_path / "model.safetensors")
+    multimodal = {"language_model." + k: v for k, v in weights.items()} | {
+        "vision_tower.vision_model.embeddings.patch_embedding.weight": torch.zeros(2),
+        "multi_modal_projector.mm_input_projection_weight": torch.zeros(2)}
+    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    expected = hf(tokens).logits
+    for state in (weights, multimodal):
+        imported = Transformer(args).double()
+        imported.load_state_dict(from_hf(state, args))
+        imported.rope_cos.copy_(model.rope_cos)
+        imported.rope_sin.copy_(model.rope_sin)
+        torch.testing.assert_close(imported(tokens), expected, rtol=0, atol=1e-12)
+
+
 def test_the_hf_names_round_trip_bit_exactly():
     args = get_model_args("gemma3", "debugmodel", vocab_size=128)
     model = Transformer(args)
@@ -128,3 +158,14 @@ def test_the_debug_model_trains_on_fsdp4_tp2_as_on_one_device(tmp_path):
     assert len(one) == 6 and one.keys() == mesh.keys()
     for step, loss in one.items():
         assert mesh[step] == pytest.approx(loss, rel=1e-6), step
+
+
+@pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0), ("hidden_activation", "gelu"),
+                                        ("layer_types", ["full_attention", "sliding_attention"])])
+def test_a_config_with_what_the_model_does_not_compute_is_one_line(key, value):
+    from torchtitan_xla.errors import ConfigError
+    from torchtitan_xla.models.llama.hf_args import model_args_from_hf_config
+
+    with pytest.raises(ConfigError) as e:
+        model_args_from_hf_config({"model_type": "gemma3_text", "num_hidden_layers": 2, key: value})
+    assert str(e.value) == f"config.json: Gemma 3 with this {key} ({value!r}) is not supported"

@@ -26,7 +26,7 @@ HF_FLAVOR = "hf"
 # [model] name -> the model_type values of the HF configs it runs.
 FAMILIES = {"llama2": ("llama",), "llama3": ("llama",), "mixtral": ("mixtral",),
             "qwen3": ("qwen3", "qwen3_moe"), "deepseek_v2": ("deepseek_v2",),
-            "deepseek_v3": ("deepseek_v3",)}
+            "deepseek_v3": ("deepseek_v3",), "gemma3": ("gemma3_text", "gemma3")}
 
 # What transformers 5.24's config classes give for a key the file leaves out (None: derived, as
 # their __post_init__ derives it). Only the keys read here.
@@ -61,7 +61,16 @@ _DEFAULTS = {
                     "first_k_dense_replace": 0, "n_group": None, "num_experts": 64, "n_shared_experts": 2,
                     "routed_scaling_factor": 1.0, "topk_group": None, "topk_method": "greedy",
                     "norm_topk_prob": False, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
+    # Gemma3TextConfig's (a multimodal gemma3 config's text_config is read with them too).
+    "gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None},
 }
+_DEFAULTS["gemma3"] = _DEFAULTS["gemma3_text"]
 # The routed experts' count under every name a config class takes it by (its field, and the
 # names its attribute_map sends to that field): Mixtral and Qwen3-MoE write num_local_experts,
 # older Qwen3-MoE files num_experts, DeepSeek n_routed_experts.
@@ -112,6 +121,8 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
     if model_type not in _DEFAULTS:
         raise ConfigError(f"config.json: model_type {model_type!r} is not supported: not a Llama, Mixtral, "
                           f"Qwen3 or DeepSeek config ({', '.join(_DEFAULTS)})")
+    if model_type.startswith("gemma3"):
+        return _gemma3_args(cfg.get("text_config") or {} if model_type == "gemma3" else cfg)
     get = _getter(cfg, model_type)
     if get("hidden_act") != "silu":
         raise ConfigError(f"config.json: hidden_act {get('hidden_act')!r} is not supported (only silu)")
@@ -156,6 +167,46 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                      max_seq_len=get("max_position_embeddings"),  # and context_len
                      qk_norm=qwen3, head_dim_override=head_dim if head_dim != dim // heads else None,
                      tie_embeddings=bool(get("tie_word_embeddings")), **moe)
+
+
+def _gemma3_args(cfg: dict) -> ModelArgs:
+    """Gemma 3's text model (Gemma3ForCausalLM's config, or a multimodal folder's text_config): every
+    p-th block global, the global blocks' RoPE default or linearly scaled, the local ones' default."""
+    get = _getter(cfg, "gemma3_text")
+    unsupported = [k for k, ok in (("hidden_activation", "gelu_pytorch_tanh"), ("attention_bias", False),
+                                   ("attn_logit_softcapping", None), ("final_logit_softcapping", None))
+                   if get(k) != ok]
+    if cfg.get("use_bidirectional_attention"):
+        unsupported.append("use_bidirectional_attention")
+    layers, dim, heads = get("num_hidden_layers"), get("hidden_size"), get("num_attention_heads")
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                       for i in range(layers)]
+    every = types.index("full_attention") + 1 if "full_attention" in types else 0
+    if types != ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(layers)]:
+        unsupported.append("layer_types")
+    kinds = cfg.get("rope_parameters") or {}
+    full, local = dict(kinds.get("full_attention") or {}), dict(kinds.get("sliding_attention") or {})
+    full.update(cfg.get("rope_scaling") or {})
+    if full.get("rope_type", full.get("type", "default")) not in ("default", "linear") or \
+            local.get("rope_type", "default") != "default":
+        unsupported.append("rope_parameters")
+    if unsupported:
+        raise ConfigError(f"config.json: Gemma 3 with this {unsupported[0]} ({cfg.get(unsupported[0])!r}) "
+                          f"is not supported")
+    head_dim, scalar = get("head_dim"), get("query_pre_attn_scalar")
+    return ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=get("num_key_value_heads"),
+                     vocab_size=get("vocab_size"), ffn_dim=get("intermediate_size"),
+                     norm_eps=get("rms_norm_eps"),
+                     head_dim_override=head_dim if head_dim != dim // heads else None, qk_norm=True,
+                     rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6))),
+                     rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 1e4))),
+                     rope_linear_factor=float(full.get("factor", 1.0)),
+                     max_seq_len=get("max_position_embeddings"),
+                     tie_embeddings=bool(get("tie_word_embeddings")), sliding_window=get("sliding_window"),
+                     sliding_window_pattern=every, norm_offset=1.0, sandwich_norm=True, ffn_act="gelu_tanh",
+                     embed_scale=True, query_pre_attn_scalar=None if scalar == head_dim else scalar)
 
 
 def _deepseek_args(cfg: dict, model_type: str, get) -> ModelArgs:
@@ -280,7 +331,11 @@ _ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
                  ("norm_topk", "norm_topk_prob"), ("shared_experts", "n_shared_experts"),
                  ("dense_layers", "first_k_dense_replace"),
                  ("expert_groups", "n_group"), ("topk_groups", "topk_group"),
-                 ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"))
+                 ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"),
+                 ("sliding_window", "sliding_window"), ("sliding_window_pattern", "layer_types"),
+                 ("sandwich_norm", "model_type"), ("ffn_act", "hidden_activation"),
+                 ("query_pre_attn_scalar", "query_pre_attn_scalar"),
+                 ("rope_local_theta", "rope_local_base_freq"), ("rope_linear_factor", "rope_scaling"))
 
 
 def architecture_difference(theirs: ModelArgs, ours: ModelArgs) -> tuple[str, object, object] | None:

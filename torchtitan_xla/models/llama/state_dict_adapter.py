@@ -187,6 +187,13 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     out = {}
     moe: dict[str, dict[str, torch.Tensor]] = {}  # gathered per layer, then stacked over experts
     for name, t in hf_state_dict.items():
+        # A multimodal Gemma 3 folder: its text model's weights under these prefixes, beside the
+        # vision tower's and the projector's, which are not part of this model.
+        if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                            "model.multi_modal_projector.")):
+            continue
+        name = re.sub(r"^(language_model\.model\.|model\.language_model\.)", "model.", name)
+        name = name.removeprefix("language_model.")  # language_model.lm_head.weight
         if name in top:
             if not (name == "lm_head.weight" and args.tie_embeddings):  # tied: the embedding's
                 out[top[name]] = t
