@@ -169,3 +169,20 @@ def test_a_config_with_what_the_model_does_not_compute_is_one_line(key, value):
     with pytest.raises(ConfigError) as e:
         model_args_from_hf_config({"model_type": "gemma3_text", "num_hidden_layers": 2, key: value})
     assert str(e.value) == f"config.json: Gemma 3 with this {key} ({value!r}) is not supported"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model.attention", "flash"], "command line: --model.attention = 'flash': torch_xla's Pallas flash kernel "
+     "has no sliding window, and gemma3 debugmodel attends within 16 tokens; use splash, sdpa or blockwise"),
+    (["--compile.scan_layers", "--activation_checkpoint.mode", "none"], "command line: --compile.scan_layers = True runs every block as one, and gemma3 "
+     "debugmodel has sliding-window blocks (16 tokens): not supported yet"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "command line: --parallelism.pipeline_parallel_degree = 2 "
+     "runs every block as one, and gemma3 debugmodel has sliding-window blocks (16 tokens): not supported yet"),
+], ids=["xla-flash", "scan", "pipeline"])
+def test_what_cannot_take_the_window_is_one_line(flags, message):
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model.name", "gemma3", *flags])
+    assert str(e.value) == message
