@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from torchtitan_xla.checkpoint.commit import write_model_checkpoint  # noqa: E402
 from torchtitan_xla.checkpoint.hf import read_hf_state_dict  # noqa: E402
 from torchtitan_xla.errors import ConfigError, first_line, run_main  # noqa: E402
-from torchtitan_xla.models.llama.hf_args import read_hf_config  # noqa: E402
+from torchtitan_xla.models.llama.hf_folder import read_hf_config  # noqa: E402
 from torchtitan_xla.models.llama.state_dict_adapter import from_hf  # noqa: E402
 
 

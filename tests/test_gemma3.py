@@ -1,7 +1,7 @@
 """Gemma 3 (text) as options and flavors of the one model: its logits against transformers'
 Gemma3ForCausalLM in float64 (local and global blocks, sequences shorter and longer than the window,
 a packed batch), the HF names round trip, every flavor's parameter count against transformers' own
-model of the same config, and the debug model's training on fsdp=4 x tp=2 against one device."""
+model of the same config (its training on a mesh: tests/test_gpt_oss.py, with gpt-oss's)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_args, train_many
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import Transformer
-from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
+from torchtitan_xla.models.llama.hf_config_json import hf_config
+from torchtitan_xla.models.llama.state_dict_adapter import from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 G = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
@@ -93,7 +93,8 @@ def test_a_transformers_folder_imports_with_its_architecture_and_logits(float64_
     under a multimodal folder's names (`language_model.model.*`) beside vision weights."""
     from safetensors.torch import load_file
 
-    from torchtitan_xla.models.llama.hf_args import architecture_difference, model_args_from_hf_config
+    from torchtitan_xla.models.llama.hf_args import model_args_from_hf_config
+    from torchtitan_xla.models.llama.hf_folder import architecture_difference
 
     args, model, hf = _models()
     hf.save_pretrained(tmp_path)
@@ -142,22 +143,6 @@ def test_flavors_have_transformers_parameter_counts(flavor, vocab, non_embedding
         theirs = G.Gemma3ForCausalLM(_gemma3_config(args))
     assert ours.num_params() == sum(p.numel() for p in theirs.parameters())
     assert ours.num_params() - vocab * args.dim == non_embedding
-
-
-def test_the_debug_model_trains_on_fsdp4_tp2_as_on_one_device(tmp_path):
-    """XLA runtime, 6 steps of synthetic data: fsdp=4 x tp=2 (the heads, the GeGLU and the sandwich
-    norms' inputs split or gathered) gives one device's losses (2.3e-7 measured)."""
-    def job(name, *flags):
-        return tiny_args(tmp_path / name, "--model.name", "gemma3", "--training.dataset", "synthetic",
-                         "--training.steps", "6", "--training.global_batch_size", "8", "--optimizer.lr", "3e-3",
-                         *flags)
-
-    one = train_many({"one": job("one", "--training.local_batch_size", "8")}, devices=1)["one"]["losses"]
-    mesh = train_many({"mesh": job("mesh", "--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree",
-                                   "2")}, devices=8)["mesh"]["losses"]
-    assert len(one) == 6 and one.keys() == mesh.keys()
-    for step, loss in one.items():
-        assert mesh[step] == pytest.approx(loss, rel=1e-6), step
 
 
 @pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0), ("hidden_activation", "gelu"),

@@ -105,7 +105,7 @@ def test_flavor_exports_carry_the_published_context_and_rope():
     on max_position_embeddings); a model trained past its flavor's context says what it saw."""
     from torchtitan_xla.checkpoint.hf import model_args_from_hf_config
     from torchtitan_xla.models import get_model_args
-    from torchtitan_xla.models.llama.state_dict_adapter import hf_config
+    from torchtitan_xla.models.llama.hf_config_json import hf_config
 
     config = hf_config(get_model_args("llama3", "8B", vocab_size=128256, max_seq_len=8192))
     assert (config["max_position_embeddings"], config["rope_theta"], config["intermediate_size"]) == (

@@ -14,7 +14,8 @@ from helpers import REPO
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import ModelArgs, RopeScaling, Transformer
 from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
-from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
+from torchtitan_xla.models.llama.hf_config_json import hf_config
+from torchtitan_xla.models.llama.state_dict_adapter import from_hf, to_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -540,7 +540,7 @@ def test_moe_every_two_puts_experts_in_every_other_block():
     model(tokens).sum().backward()
     assert model.layers["3"].feed_forward.w2.grad.abs().max() > 0
     # No transformers architecture has this: export says so before writing anything.
-    from torchtitan_xla.models.llama.state_dict_adapter import hf_config
+    from torchtitan_xla.models.llama.hf_config_json import hf_config
 
     with pytest.raises(ValueError, match="moe_every=2"):
         hf_config(args)

@@ -67,6 +67,9 @@ LAYERS = {"n_layers": 2}
 QWEN3 = ["--model.name", "qwen3"]  # its debug model: tied embedding, query/key norms
 # Its debug model cut to 2 blocks: one dense, one with 16 experts, a shared one and the expert bias.
 DEEPSEEK = ["--model.name", "deepseek_v3"]
+# Their debug models cut to 2 blocks: Gemma 3's both local (16 tokens); gpt-oss's one local (8
+# tokens), one global, both with sinks, biases and biased experts (einsum attention: the sinks').
+GEMMA3, GPT_OSS = ["--model.name", "gemma3"], ["--model.name", "gpt_oss", "--model.attention", "sdpa"]
 NO_RECOMPILES = ["--debug.on_recompile", "error"]  # a graph compiled after step 2 stops the run
 # At AdamW's default eps (1e-8) a weight whose gradient is near zero moves by about lr whatever that
 # gradient's rounding: float32 reorderings (a fused kernel, compiled sums) parted runs by 4e-5 at
@@ -162,7 +165,9 @@ def one_process(seed, tmp_path_factory) -> dict:
         "ten blocks": [*EAGER, "--training.local_batch_size", "8"],
         "profiled": [*EAGER, "--training.local_batch_size", "8", "--training.steps", "6", *PROFILED],
         "qwen3": [*EAGER, *QWEN3, "--training.local_batch_size", "8"],
-        "deepseek": [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8", "--training.steps", "5"]},
+        "deepseek": [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8", "--training.steps", "5"],
+        "gemma3": [*EAGER, *GEMMA3, "--training.local_batch_size", "8"],
+        "gpt_oss": [*EAGER, *GPT_OSS, "--training.local_batch_size", "8"]},
         model=LAYERS, overrides={"ten blocks": TEN_BLOCKS})
 
 
@@ -207,6 +212,10 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs["qwen3"] = [*EAGER, *QWEN3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
     jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8", "--training.steps", "5",
                         "--parallelism.tensor_parallel_degree", "2"]
+    jobs["gemma3"] = [*EAGER, *GEMMA3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
+    jobs["gpt_oss tp"] = [*EAGER, *GPT_OSS, "--training.local_batch_size", "8",
+                          "--parallelism.tensor_parallel_degree", "2"]
+    jobs["gpt_oss ep"] = [*EAGER, *GPT_OSS, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]
     jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
     jobs["diverging"] = [*EAGER, *DIVERGING, "--parallelism.tensor_parallel_degree", "2"]
     jobs["diverging, applied"] = [*jobs["diverging"], "--training.no-skip_nonfinite_steps"]
@@ -464,6 +473,18 @@ def test_qwen3_with_its_tied_embedding_on_tp2_gives_the_one_process_losses(one_p
     assert len(one["losses"]) == 10 and abs(one["losses"]["1"] - one_process["ten blocks"]["losses"]["1"]) > 1e-3
     close(run["losses"], one["losses"], rtol=5e-6)
     close(run["grad_norms"], one["grad_norms"], rtol=5e-6)
+
+
+@pytest.mark.parametrize("model, job", [("gemma3", "gemma3"), ("gpt_oss", "gpt_oss tp"), ("gpt_oss", "gpt_oss ep")])
+def test_gemma3_and_gpt_oss_on_two_processes_give_the_one_process_losses(one_process, two_processes, model, job):
+    """Gemma 3's debug model on tp=2 (sliding windows, sandwich norms, GeGLU); gpt-oss's on tp=2 (the
+    sinks and the attention's biases split by head: the sinks reach the attention by keyword) and
+    on ep=2 (the experts and their biases split): one process's losses, 10 steps (2.1e-7 measured)."""
+    run, one = two_processes[job], one_process[model]
+    assert len(one["losses"]) == 10
+    close(run["losses"], one["losses"], rtol=1e-6)
+    if job == "gpt_oss tp":
+        assert run["layout"]["layers.0.attention.sinks"]["placements"][-1] == "Shard(dim=0)"
 
 
 COMPILES = re.compile(r"step:\s+(\d+) .* compiles: (\d+)")

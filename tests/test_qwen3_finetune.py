@@ -103,7 +103,7 @@ def test_the_mismatch_names_the_flavor_the_folder_holds(family, flavor, run, tmp
     from torchtitan_xla.checkpoint.hf import match_initial_hf_weights
     from torchtitan_xla.config import ConfigError, parse_args
     from torchtitan_xla.models import get_model_args
-    from torchtitan_xla.models.llama.state_dict_adapter import hf_config
+    from torchtitan_xla.models.llama.hf_config_json import hf_config
 
     held = get_model_args(family, flavor, vocab_size=151936)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(held)))

@@ -89,7 +89,7 @@ def load_model(job_config: JobConfig, path: str | Path, is_hf: bool, key: str, *
     from torchtitan_xla.datasets import build_tokenizer, check_vocab_size
     from torchtitan_xla.lora import merge
     from torchtitan_xla.models import get_model_class
-    from torchtitan_xla.models.llama.hf_args import read_hf_config
+    from torchtitan_xla.models.llama.hf_folder import read_hf_config
     from torchtitan_xla.parallelisms import ParallelDims, parallelize_llama
 
     if is_hf:

@@ -49,8 +49,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.adapter_enabled:
-            return F.linear(x, self.weight)
-        return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+            return F.linear(x, self.weight, self.bias)
+        adapter = self.lora_B(self.lora_A(self.lora_dropout(x)))
+        return F.linear(x, self.weight, self.bias) + adapter * self.scaling
 
     @torch.no_grad()
     def init_adapter(self) -> None:

@@ -22,11 +22,10 @@ from torchtitan_xla import runtime, storage
 from torchtitan_xla.errors import ConfigError
 from torchtitan_xla.lora import is_adapter, merge
 from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn
-from torchtitan_xla.models.llama.hf_args import (  # noqa: F401  (read without torch: hf_args.py)
-    match_initial_hf_weights,
-    model_args_from_hf_config,
-)
-from torchtitan_xla.models.llama.state_dict_adapter import from_hf, hf_config, to_hf
+from torchtitan_xla.models.llama.hf_args import model_args_from_hf_config  # noqa: F401  (torch-free)
+from torchtitan_xla.models.llama.hf_config_json import hf_config
+from torchtitan_xla.models.llama.hf_folder import match_initial_hf_weights  # noqa: F401
+from torchtitan_xla.models.llama.state_dict_adapter import from_hf, to_hf
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"

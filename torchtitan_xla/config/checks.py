@@ -129,7 +129,7 @@ def _model_args(cfg: JobConfig, sources):
     config.json of the HF folder the run starts from (read now, so that every check below sees the
     real architecture)."""
     from torchtitan_xla.models import all_flavors, get_model_args  # torch-free registry of names
-    from torchtitan_xla.models.llama.hf_args import HF_FLAVOR, hf_folder_args
+    from torchtitan_xla.models.llama.hf_folder import HF_FLAVOR, hf_folder_args
 
     if cfg.model.flavor == HF_FLAVOR:
         ckpt = cfg.checkpoint
@@ -158,6 +158,10 @@ def _check_attention(cfg: JobConfig, args, sources) -> None:
                           f"and splash kernels take values as wide as the queries and keys, and the latent "
                           f"attention of {cfg.model.name} {cfg.model.flavor} has {args.v_dim} against "
                           f"{args.qk_head_dim} features per head; use sdpa or blockwise")
+    if args.attn_sinks and cfg.model.attention != "sdpa":
+        raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r}: the "
+                          f"kernel has no attention sinks, and {cfg.model.name} {cfg.model.flavor} adds one "
+                          f"logit per head to each softmax; use sdpa")
     if args.sliding_window and cfg.model.attention == "flash" and cfg.runtime.backend == "xla":
         raise ConfigError(f"{sources.describe('model', 'attention')} = 'flash': torch_xla's Pallas flash "
                           f"kernel has no sliding window, and {cfg.model.name} {cfg.model.flavor} attends "
@@ -297,7 +301,7 @@ def native_refusal(cfg: JobConfig) -> tuple[str, str, object, str] | None:
 def _check_moe(cfg: JobConfig, args, sources) -> None:
     """[moe] against the model (`args`) it changes, before anything is built."""
     from torchtitan_xla.models import moe_overrides
-    from torchtitan_xla.models.llama.hf_args import HF_FLAVOR
+    from torchtitan_xla.models.llama.hf_folder import HF_FLAVOR
 
     m, model = cfg.moe, f"{cfg.model.name} {cfg.model.flavor}"
     if cfg.model.flavor == HF_FLAVOR:
@@ -346,7 +350,9 @@ def _check_moe(cfg: JobConfig, args, sources) -> None:
         clash = ([("moe", "capacity_factor", f"{m.capacity_factor:g}", "sorted experts are dropless")]
                  if m.capacity_factor else []) + [
             ("parallelism", k, str(getattr(p, k)), "not supported with it yet")
-            for k in ("expert_parallel_degree", "tensor_parallel_degree") if getattr(p, k) > 1]
+            for k in ("expert_parallel_degree", "tensor_parallel_degree") if getattr(p, k) > 1] + (
+            [("model", "flavor", model, "its experts' biases and clamped SwiGLU are not in the kernel")]
+            if args.moe_bias or args.ffn_act != "silu" else [])
         if clash:
             section, key, value, why = clash[0]
             raise ConfigError(f"{sources.describe('moe', 'grouped_mm')} = true cannot be combined with "

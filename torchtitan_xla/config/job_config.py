@@ -43,12 +43,13 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama2", "llama3", "mixtral", "qwen3", "deepseek_v2", "deepseek_v3", "gemma3"] = opt(
+    name: Literal["llama2", "llama3", "mixtral", "qwen3", "deepseek_v2", "deepseek_v3", "gemma3",
+                  "gpt_oss"] = opt(
         "llama3", "Model family (mixtral: Llama blocks with mixture-of-experts feed-forwards, docs/moe.md; "
         "qwen3: Llama blocks with per-head query/key norms, dense or with experts, docs/checkpoint.md; "
         "deepseek_v3: multi-head latent attention, shared and bias-balanced routed experts; deepseek_v2: "
         "the same with softmax routing; docs/moe.md; gemma3: Gemma 3's text model, sliding-window "
-        "blocks, docs/checkpoint.md).")
+        "blocks, docs/checkpoint.md; gpt_oss: biased experts and attention with sinks, docs/moe.md).")
     flavor: str = opt("debugmodel", "Model size within the family (see docs/config.md for the list); "
                       "\"hf\": the architecture of the HuggingFace folder the run starts from "
                       "(checkpoint.initial_load_path with initial_load_in_hf).")

@@ -3,7 +3,7 @@
 import dataclasses
 
 from torchtitan_xla.models.llama.args import ModelArgs, models_config
-from torchtitan_xla.models.llama.hf_args import HF_FLAVOR, HFFlavorArgs
+from torchtitan_xla.models.llama.hf_folder import HF_FLAVOR, HFFlavorArgs
 
 
 def all_flavors() -> dict[str, list[str]]:

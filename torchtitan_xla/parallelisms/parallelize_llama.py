@@ -38,6 +38,11 @@ TP_PLAN: dict[str, Spec] = {
     "layers.*.attention.wk.weight": ("tp", None),
     "layers.*.attention.wv.weight": ("tp", None),
     "layers.*.attention.wo.weight": (None, "tp"),
+    # gpt-oss: the column-parallel projections' biases and the sinks split by head (wo's bias whole).
+    "layers.*.attention.wq.bias": ("tp",),
+    "layers.*.attention.wk.bias": ("tp",),
+    "layers.*.attention.wv.bias": ("tp",),
+    "layers.*.attention.sinks": ("tp",),
     # Latent attention (DeepSeek): the up-projections from the latents split by head like wq; the
     # down-projections to the latents (wq_a, wkv_a) and the latents' norms stay whole.
     "layers.*.attention.wq_b.weight": ("tp", None),
@@ -53,11 +58,13 @@ TP_PLAN: dict[str, Spec] = {
     "layers.*.feed_forward.w1": (None, "tp", None),
     "layers.*.feed_forward.w3": (None, "tp", None),
     "layers.*.feed_forward.w2": (None, None, "tp"),
+    "layers.*.feed_forward.b1": (None, "tp"),
+    "layers.*.feed_forward.b3": (None, "tp"),
     # Vocab-parallel logits: the loss is computed on vocab shards, never on full logits.
     "output.weight": ("tp", None),
 }
 # The stacked expert weights [expert, ...] that expert parallelism splits on their first dimension.
-EXPERT_WEIGHTS = ("layers.*.feed_forward.w1", "layers.*.feed_forward.w2", "layers.*.feed_forward.w3")
+EXPERT_WEIGHTS = tuple(f"layers.*.feed_forward.{w}" for w in ("w1", "w2", "w3", "b1", "b2", "b3"))
 
 
 def tp_spec(name: str, ndim: int) -> Spec:
@@ -224,8 +231,8 @@ def apply_local_attention(model: nn.Module, mesh) -> None:
     ops; XLA partitions it by itself)."""
     heads = (BATCH_AXES, "tp", None, None)  # q, k, v and the output: [batch, heads, seq, head_dim]
     tokens = (BATCH_AXES, None)  # document ids and positions
-    for block in model.layers.values():
-        runtime.run_locally(block.attention.sdpa, mesh, [heads] * 3 + [tokens] * 2, heads)
+    for block in model.layers.values():  # (gpt-oss's sinks [heads] by keyword)
+        runtime.run_locally(block.attention.sdpa, mesh, [heads] * 3 + [tokens] * 2, heads, {"sinks": ("tp",)})
 
 
 def apply_fsdp(model: nn.Module, mesh, parallel_dims: ParallelDims) -> None:

@@ -162,7 +162,7 @@ def model_args(job_config: JobConfig, vocab_size: int | None = None, **overrides
     or with HF initial weights their folder's (`[model] flavor = "hf"` included)."""
     from torchtitan_xla.datasets.tokenizer.train_bpe import DEFAULT_VOCAB_SIZE
     from torchtitan_xla.models import get_model_args, moe_overrides
-    from torchtitan_xla.models.llama.hf_args import match_initial_hf_weights
+    from torchtitan_xla.models.llama.hf_folder import match_initial_hf_weights
 
     name, flavor = job_config.model.name, job_config.model.flavor
     if vocab_size is None:  # the tokenizer's, without reading it: the project's own, or Meta's

@@ -30,6 +30,8 @@ class Yarn:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    # The ramp's ends rounded to whole dimensions (transformers' default; gpt-oss: False).
+    truncate: bool = True
 
     def mscale_of(self, m: float) -> float:
         return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
@@ -80,6 +82,12 @@ class ModelArgs:
     ffn_act: str = "silu"
     embed_scale: bool = False
     query_pre_attn_scalar: float | None = None
+    # gpt-oss: biases on the attention's projections, on the router and the experts; a learned
+    # logit per head in each softmax's denominator (an "attention sink", with no value); its
+    # experts' ffn_act "swiglu_clamp" ((up + 1) * gate * sigmoid(1.702 gate), both clamped at 7).
+    attn_bias: bool = False
+    attn_sinks: bool = False
+    moe_bias: bool = False
     # Mixture of experts (models/llama/moe.py) in place of the SwiGLU of some blocks.
     num_experts: int = 0  # 0: dense SwiGLU in every block
     top_k: int = 2  # experts per token; their router probabilities are renormalised to sum 1
@@ -129,6 +137,9 @@ class ModelArgs:
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"ModelArgs: top_k must be in [1, num_experts={self.num_experts}], "
                              f"not {self.top_k}")
+        if self.ffn_act not in ("silu", "gelu_tanh", "swiglu_clamp"):
+            raise ValueError(f"ModelArgs: ffn_act must be silu, gelu_tanh or swiglu_clamp, "
+                             f"not {self.ffn_act!r}")
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"ModelArgs: router must be softmax or sigmoid, not {self.router!r}")
         if self.rope_scaling is not None and self.yarn is not None:
@@ -346,7 +357,34 @@ gemma3_configs = {  # dim, layers, heads, kv heads, FFN size
 }
 
 
+# gpt-oss (OpenAI, 2025): 64 query heads of 64 over 8 KV heads with biases and sinks, every other
+# block local (128 tokens, the first one), YaRN (factor 32, untruncated) on base 150000, experts in
+# every block (32 / 128 of 2880, top-4 by the softmax of the chosen logits, which the renormalised
+# softmax router equals) with biases and the clamped SwiGLU. The numbers of the checkpoints'
+# config.json (router_aux_loss_coef 0.9); vocabulary from the tokenizer (201,088 rows). The debug
+# model: 4 blocks, an 8-token window, 8 experts, a small YaRN, every option on.
+def _gpt_oss(dim: int, n_layers: int, experts: int, *, heads: int = 64, kv_heads: int = 8,
+             head_dim: int = 64, window: int = 128, context: int = 131072,
+             yarn: Yarn | None = None) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads,
+                     head_dim_override=head_dim, ffn_dim=dim, num_experts=experts, top_k=4,
+                     moe_hidden_dim=dim, ffn_act="swiglu_clamp", attn_bias=True, attn_sinks=True,
+                     moe_bias=True, sliding_window=window, sliding_window_pattern=2, rope_theta=150000.0,
+                     max_seq_len=context, aux_loss_weight=0.9,
+                     yarn=yarn or Yarn(factor=32.0, original_max_position_embeddings=4096, mscale_all_dim=0.0,
+                                       truncate=False))
+
+
+gpt_oss_configs = {  # dim, layers, experts
+    "debugmodel": _gpt_oss(256, 4, 8, heads=8, kv_heads=2, head_dim=32, window=8, context=2048,
+                           yarn=Yarn(factor=4.0, original_max_position_embeddings=512, mscale_all_dim=0.0,
+                                     truncate=False)),
+    "20B": _gpt_oss(2880, 24, 32),
+    "120B": _gpt_oss(2880, 36, 128),
+}
+
+
 # The registry: `[model] name` -> its flavors.
 models_config = {"llama2": llama2_configs, "llama3": llama3_configs, "mixtral": mixtral_configs,
                  "qwen3": qwen3_configs, "deepseek_v2": deepseek_v2_configs,
-                 "deepseek_v3": deepseek_v3_configs, "gemma3": gemma3_configs}
+                 "deepseek_v3": deepseek_v3_configs, "gemma3": gemma3_configs, "gpt_oss": gpt_oss_configs}

@@ -10,23 +10,13 @@ our model does not compute the same way is one ConfigError line ("config.json: .
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from torchtitan_xla import storage
 from torchtitan_xla.errors import ConfigError
-from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn, models_config
-
-# [model] flavor = "hf": the architecture of the HuggingFace folder the run starts from.
-HF_FLAVOR = "hf"
-
+from torchtitan_xla.models.llama.args import ModelArgs, RopeScaling, Yarn
 
 # [model] name -> the model_type values of the HF configs it runs.
 FAMILIES = {"llama2": ("llama",), "llama3": ("llama",), "mixtral": ("mixtral",),
             "qwen3": ("qwen3", "qwen3_moe"), "deepseek_v2": ("deepseek_v2",),
-            "deepseek_v3": ("deepseek_v3",), "gemma3": ("gemma3_text", "gemma3")}
+            "deepseek_v3": ("deepseek_v3",), "gemma3": ("gemma3_text", "gemma3"), "gpt_oss": ("gpt_oss",)}
 
 # What transformers 5.24's config classes give for a key the file leaves out (None: derived, as
 # their __post_init__ derives it). Only the keys read here.
@@ -71,6 +61,12 @@ _DEFAULTS = {
                     "attn_logit_softcapping": None},
 }
 _DEFAULTS["gemma3"] = _DEFAULTS["gemma3_text"]
+_DEFAULTS["gpt_oss"] = {  # GptOssConfig's (its rope_parameters: gpt-oss's YaRN, _gpt_oss_args)
+    "num_hidden_layers": 36, "num_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "sliding_window": 128, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    "router_aux_loss_coef": 0.001, "attention_bias": True, "rope_theta": 150000.0}
 # The routed experts' count under every name a config class takes it by (its field, and the
 # names its attribute_map sends to that field): Mixtral and Qwen3-MoE write num_local_experts,
 # older Qwen3-MoE files num_experts, DeepSeek n_routed_experts.
@@ -123,6 +119,8 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
                           f"Qwen3 or DeepSeek config ({', '.join(_DEFAULTS)})")
     if model_type.startswith("gemma3"):
         return _gemma3_args(cfg.get("text_config") or {} if model_type == "gemma3" else cfg)
+    if model_type == "gpt_oss":
+        return _gpt_oss_args(cfg)
     get = _getter(cfg, model_type)
     if get("hidden_act") != "silu":
         raise ConfigError(f"config.json: hidden_act {get('hidden_act')!r} is not supported (only silu)")
@@ -179,12 +177,8 @@ def _gemma3_args(cfg: dict) -> ModelArgs:
     if cfg.get("use_bidirectional_attention"):
         unsupported.append("use_bidirectional_attention")
     layers, dim, heads = get("num_hidden_layers"), get("hidden_size"), get("num_attention_heads")
-    pattern = cfg.get("sliding_window_pattern", 6)
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                       for i in range(layers)]
-    every = types.index("full_attention") + 1 if "full_attention" in types else 0
-    if types != ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
-                 for i in range(layers)]:
+    every = _global_every(cfg, layers, cfg.get("sliding_window_pattern", 6))
+    if every is None:
         unsupported.append("layer_types")
     kinds = cfg.get("rope_parameters") or {}
     full, local = dict(kinds.get("full_attention") or {}), dict(kinds.get("sliding_attention") or {})
@@ -207,6 +201,57 @@ def _gemma3_args(cfg: dict) -> ModelArgs:
                      tie_embeddings=bool(get("tie_word_embeddings")), sliding_window=get("sliding_window"),
                      sliding_window_pattern=every, norm_offset=1.0, sandwich_norm=True, ffn_act="gelu_tanh",
                      embed_scale=True, query_pre_attn_scalar=None if scalar == head_dim else scalar)
+
+
+def _global_every(cfg: dict, layers: int, pattern: int) -> int | None:
+    """Every how many blocks one is global (sliding_window_pattern: 0 none) by `layer_types`
+    (absent: every `pattern`-th, transformers' default); None when the list is not so regular."""
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                       for i in range(layers)]
+    every = types.index("full_attention") + 1 if "full_attention" in types else 0
+    regular = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+               for i in range(layers)]
+    return every if types == regular else None
+
+
+def _gpt_oss_args(cfg: dict) -> ModelArgs:
+    """GptOssForCausalLM's config: biased attention with sinks, every block's experts biased with the
+    clamped SwiGLU, top-k softmax routing, YaRN or plain RoPE, local blocks by layer_types. Its
+    published MXFP4 expert weights are dequantized on reading (state_dict_adapter.py)."""
+    get = _getter(cfg, "gpt_oss")
+    layers = get("num_hidden_layers")
+    unsupported = [k for k, ok in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)) if get(k) != ok]
+    every = _global_every(cfg, layers, 2)
+    if every is None:
+        unsupported.append("layer_types")
+    quantization = cfg.get("quantization_config") or {}
+    if quantization and quantization.get("quant_method") != "mxfp4":
+        unsupported.append("quantization_config")
+    kind, scaling, theta = _rope(cfg, "gpt_oss", ("default", "yarn"))
+    if cfg.get("rope_scaling") is None and cfg.get("rope_parameters") is None:  # GptOssConfig's default
+        kind, scaling = "yarn", {"factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False}
+    if any(scaling.get(k) for k in ("mscale", "mscale_all_dim", "attention_factor")):
+        unsupported.append("rope_parameters")
+    if unsupported:
+        key = unsupported[0]
+        raise ConfigError(f"config.json: gpt-oss with this {key} ({cfg.get(key)!r}) is not supported")
+    yarn = None
+    if kind == "yarn":  # cos and sin scaled by 0.1 ln(factor) + 1: mscale(1) over mscale(0)
+        yarn = Yarn(factor=scaling["factor"], original_max_position_embeddings=scaling.get(
+                        "original_max_position_embeddings", 4096), beta_fast=scaling.get("beta_fast") or 32.0,
+                    beta_slow=scaling.get("beta_slow") or 1.0, mscale=1.0, mscale_all_dim=0.0,
+                    truncate=scaling.get("truncate", True))
+    dim, heads = get("hidden_size"), get("num_attention_heads")
+    experts = get("intermediate_size")  # every block's (no dense FFN)
+    return ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=get("num_key_value_heads"),
+                     vocab_size=get("vocab_size"), head_dim_override=get("head_dim"), ffn_dim=experts,
+                     norm_eps=get("rms_norm_eps"), rope_theta=theta, yarn=yarn,
+                     max_seq_len=get("max_position_embeddings"),
+                     tie_embeddings=bool(get("tie_word_embeddings")), num_experts=get("num_experts"),
+                     top_k=get("num_experts_per_tok"), moe_hidden_dim=experts,
+                     aux_loss_weight=get("router_aux_loss_coef"), ffn_act="swiglu_clamp",
+                     attn_bias=bool(get("attention_bias")), attn_sinks=True, moe_bias=True,
+                     sliding_window=get("sliding_window") or 0, sliding_window_pattern=every)
 
 
 def _deepseek_args(cfg: dict, model_type: str, get) -> ModelArgs:
@@ -265,128 +310,3 @@ def _deepseek_args(cfg: dict, model_type: str, get) -> ModelArgs:
                      norm_eps=get("rms_norm_eps"), rope_theta=theta,
                      max_seq_len=get("max_position_embeddings"),
                      tie_embeddings=bool(get("tie_word_embeddings")), **moe, **mla)
-
-
-# ---- the run's model against the HF folder it starts from -------------------------------------
-
-
-@dataclass
-class HFFlavorArgs(ModelArgs):
-    """What get_model_args gives for flavor "hf": a stand-in until match_initial_hf_weights reads
-    the folder's config.json, keeping the run's model name and its overrides (seq_len, [moe]) to
-    apply to the folder's args then."""
-
-    family: str = ""
-    overrides: dict = field(default_factory=dict)
-
-
-def read_hf_config(path: Path, where: str = "[checkpoint] initial_load_path") -> tuple[dict, ModelArgs]:
-    """(config.json as a dict, its ModelArgs); any problem one ConfigError line naming the file."""
-    try:
-        cfg = json.loads(path.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError("not an object")
-        return cfg, model_args_from_hf_config(cfg)
-    except (ConfigError, KeyError, ValueError, TypeError) as e:  # "config.json: ...", bad JSON or values
-        why = str(e).removeprefix("config.json: ") if isinstance(e, ConfigError) else (
-            f"not JSON ({e})" if isinstance(e, json.JSONDecodeError) else f"unusable ({e})")
-        raise ConfigError(f"{where}: {path}: {why}" if where else f"{path}: {why}") from None
-
-
-def hf_folder_args(family: str, checkpoint, where: str = "[checkpoint] initial_load_path") -> ModelArgs:
-    """Flavor "hf": the ModelArgs of the config.json in `checkpoint` ([checkpoint] section)'s
-    initial_load_path, which must be an HF folder of the family `family` ([model] name)."""
-    if not (checkpoint.initial_load_in_hf and checkpoint.initial_load_path):
-        raise ConfigError('[model] flavor = "hf" takes the architecture of the HuggingFace folder the '
-                          'run starts from: set [checkpoint] initial_load_path to it and initial_load_in_hf '
-                          '= true')
-    if storage.is_url(checkpoint.initial_load_path):
-        raise ConfigError(f"{where}: {checkpoint.initial_load_path}: HuggingFace weights are read from a "
-                          f"local folder; copy them to one first")
-    path = Path(checkpoint.initial_load_path) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f'{where}: no such file {path} ([model] flavor = "hf" reads the architecture '
-                          f'from it)')
-    cfg, args = read_hf_config(path, where)
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in FAMILIES.get(family, ()):
-        names = " or ".join(name for name, types in FAMILIES.items() if model_type in types)
-        raise ConfigError(f"{where}: {path} holds a {model_type} model, and the run's [model] name is "
-                          f"{family}: set [model] name = {names} (flavor hf takes the folder's architecture, "
-                          f"within the family of [model] name)")
-    return args
-
-
-# What decides what a checkpoint's weights compute, by our name and config.json's.
-_ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
-                 ("n_heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
-                 ("head_dim", "head_dim"), ("qk_norm", "query/key norms"),
-                 ("tie_embeddings", "tie_word_embeddings"), ("num_experts", "experts"),
-                 ("top_k", "num_experts_per_tok"), ("expert_hidden_dim", "the experts' size"),
-                 ("moe_every", "decoder_sparse_step"), ("ffn_hidden_dim", "intermediate_size"),
-                 ("norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
-                 ("kv_lora_rank", "kv_lora_rank"), ("q_lora_rank", "q_lora_rank"),
-                 ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"),
-                 ("v_head_dim", "v_head_dim"), ("router", "scoring_func"),
-                 ("norm_topk", "norm_topk_prob"), ("shared_experts", "n_shared_experts"),
-                 ("dense_layers", "first_k_dense_replace"),
-                 ("expert_groups", "n_group"), ("topk_groups", "topk_group"),
-                 ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"),
-                 ("sliding_window", "sliding_window"), ("sliding_window_pattern", "layer_types"),
-                 ("sandwich_norm", "model_type"), ("ffn_act", "hidden_activation"),
-                 ("query_pre_attn_scalar", "query_pre_attn_scalar"),
-                 ("rope_local_theta", "rope_local_base_freq"), ("rope_linear_factor", "rope_scaling"))
-
-
-def architecture_difference(theirs: ModelArgs, ours: ModelArgs) -> tuple[str, object, object] | None:
-    """The first (config.json key, their value, ours) that makes the two compute differently."""
-    dense_blocks = any(not ours.is_moe_layer(i) for i in range(ours.n_layers))
-    for name, hf_name in _ARCHITECTURE:
-        if name == "ffn_hidden_dim" and not dense_blocks:
-            continue  # unused: every block has experts
-        if getattr(theirs, name) != getattr(ours, name):
-            return hf_name, getattr(theirs, name), getattr(ours, name)
-    return None
-
-
-def match_initial_hf_weights(cfg, args: ModelArgs, model: str) -> ModelArgs:
-    """A fine-tuning start from HF weights ([checkpoint] `cfg` with initial_load_in_hf) against the
-    run's model `args` ("name flavor"), before anything is built: the run takes the weights'
-    vocabulary (Qwen's embedding has rows past its tokenizer's ids), and any other difference in
-    architecture is one line, naming the flavor the folder holds if it is one of ours, else flavor
-    "hf". With flavor "hf" (`args` an HFFlavorArgs) the run's args are the folder's, with the run's
-    overrides (max_seq_len, [moe] capacity and loss weight) applied."""
-    if isinstance(args, HFFlavorArgs):
-        theirs = hf_folder_args(args.family, cfg)
-        overrides = {k: v for k, v in args.overrides.items() if k != "vocab_size"}
-        try:
-            ours = dataclasses.replace(theirs, **overrides)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"[model] flavor = \"hf\": the run's settings do not fit "
-                              f"{cfg.initial_load_path}: {e}") from None
-        difference = architecture_difference(theirs, ours)
-        if difference is not None:
-            key, there, here = difference
-            raise ConfigError(f"[checkpoint] initial_load_path: {cfg.initial_load_path} has {key} {there}, "
-                              f"the run's settings make it {here} ([model] flavor = \"hf\" takes the "
-                              f"folder's architecture: leave [moe] num_experts, top_k, moe_every unset)")
-        return ours
-    path = Path(cfg.initial_load_path) / "config.json"
-    if not cfg.initial_load_in_hf or storage.is_url(cfg.initial_load_path) or not path.is_file():
-        return args  # a missing folder is reported where the weights are read
-    hf, theirs = read_hf_config(path)
-    difference = architecture_difference(theirs, args)
-    if difference is None:
-        return dataclasses.replace(args, vocab_size=theirs.vocab_size)
-    same = [f"{name} {flavor}" for name, flavors in models_config.items()
-            for flavor, candidate in flavors.items() if architecture_difference(theirs, candidate) is None]
-    if same:
-        hint = f"; it holds {' or '.join(same)}: set [model] name and flavor to it"
-    else:
-        family = model.split()[0] if model else ""
-        names = [name for name, types in FAMILIES.items() if hf.get("model_type", "llama") in types]
-        hint = ('; no flavor of ours has its architecture: set [model] flavor = "hf" to take it'
-                + ("" if family in names or not names else f" (with [model] name = {' or '.join(names)})"))
-    key, there, here = difference
-    raise ConfigError(f"[checkpoint] initial_load_path: {path} is not the run's model {model}: {key} {there} "
-                      f"there, {here} here{hint}")

@@ -88,15 +88,17 @@ def _rope_tables(args: ModelArgs, theta: float, local: bool = False) -> tuple[to
 
 
 def _yarn(y, freqs: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, float]:
-    """YaRN's frequencies and cos/sin scale (args.Yarn; transformers' "yarn" with truncate): the
+    """YaRN's frequencies and cos/sin scale (args.Yarn; transformers' "yarn"): the
     dimensions rotating fewer than beta_slow times over the original context interpolated by
     `factor`, those rotating more than beta_fast times kept, a linear ramp between."""
     def rotations_dim(rotations: float) -> float:
         turns = y.original_max_position_embeddings / (rotations * 2 * math.pi)
         return d * math.log(turns) / (2 * math.log(theta))
 
-    low = max(math.floor(rotations_dim(y.beta_fast)), 0)
-    high = min(math.ceil(rotations_dim(y.beta_slow)), d - 1)
+    low, high = rotations_dim(y.beta_fast), rotations_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
     freqs = freqs / y.factor * ramp + freqs * (1 - ramp)
     return freqs, y.mscale_of(y.mscale) / y.mscale_of(y.mscale_all_dim)
@@ -182,7 +184,7 @@ class ScaledDotProductAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # SDPA's decomposition (and `@`) folds batch and heads into one dimension, which cannot be
         # split over two mesh axes: with a sharded batch, tensor parallelism would then gather
         # every head onto every device. einsum keeps them apart. Grouped-query attention as groups
@@ -193,13 +195,14 @@ class ScaledDotProductAttention(nn.Module):
             mask = attention_mask(seq, seq, None, self.window)
         else:
             mask = position_mask(document_ids, positions, self.window)  # [batch, 1, q, k]
-        return masked_attention(q, k, v, mask)
+        return masked_attention(q, k, v, mask, sinks=sinks)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
-                     heads_outer: bool = False) -> torch.Tensor:
+                     heads_outer: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim) where `mask`) v: queries [batch, heads, q, head_dim], keys and
     values [batch, kv_heads, k, head_dim], `mask` [q, k] or [batch, 1, q, k] (True: seen).
+    `sinks` [heads] (gpt-oss): one more logit per head in each softmax's denominator, with no value.
     `heads_outer` (the KV cache's calls): einsum folds the kv heads outermost into its batch, the
     only fold DTensor allows for heads split over tp (the same values; training keeps the batch
     outermost, the layout the plan's memory model was fitted to on XLA)."""
@@ -209,8 +212,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         mask = mask[:, None]  # [batch, 1, 1, q, k]
     if heads_outer:  # with the cache's [batch, 1, q, k] mask
         q, k, v, mask = (t.transpose(0, 1) for t in (q, k, v, mask))
-    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5
-    probs = upcast(scores).masked_fill(~mask, float("-inf")).softmax(-1).type_as(v)
+    scores = upcast(torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5).masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1).type_as(v)
+    else:  # the sink's exp(logit) added to the sum: a softmax over the keys and the sink, the sink dropped
+        sink = upcast(sinks).view(k.shape[1], -1)[:, :, None, None]  # [kv heads, heads per kv head, 1, 1]
+        sink = sink[:, None] if heads_outer else sink[None]
+        top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # a row masked whole has the sink
+        e = (scores - top).exp()
+        probs = (e / (e.sum(-1, keepdim=True) + (sink - top).exp())).type_as(v)
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs, v)
     return (out.transpose(0, 1) if heads_outer else out).reshape(b, h, s, v.shape[-1])
 
@@ -218,18 +228,28 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 GATES = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
+def glu(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated unit of an FFN or expert: act(gate) * up (args.ModelArgs.ffn_act); gpt-oss's
+    "swiglu_clamp" clamps both (the gate from above) at 7, scales the gate's sigmoid by 1.702 and
+    adds 1 to up."""
+    if act == "swiglu_clamp":
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    return GATES[act](gate) * up
+
+
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); with act "gelu_tanh", GeGLU (Gemma)."""
 
     def __init__(self, dim: int, hidden_dim: int, act: str = "silu"):
         super().__init__()
-        self.act = GATES[act]
+        self.act = act
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(glu(self.act, self.w1(x), self.w3(x)))
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)

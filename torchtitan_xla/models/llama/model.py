@@ -43,12 +43,15 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        bias = args.attn_bias  # gpt-oss
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         self.window = args.window(layer_id)  # 0: global
         self.sdpa = ScaledDotProductAttention(self.window)
+        # gpt-oss: each head's sink logit (only the einsum kernel and the KV cache's take it).
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.attn_sinks else None
         # Gemma 3: RoPE tables of two bases, this block's half; scores scaled by
         # query_pre_attn_scalar^-0.5, as the queries times sqrt(head_dim / it) under the kernels'
         # head_dim^-0.5.
@@ -82,16 +85,22 @@ class Attention(nn.Module):
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads (the
         # attention module repeats them).
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         if cache is None:
-            out = self.sdpa(q, k, v, *mask)
+            out = self.sdpa(q, k, v, *mask, **sinks)
         else:
-            out = masked_attention(q, k, v, cache.mask_within(self.window), heads_outer=True)
+            out = masked_attention(q, k, v, cache.mask_within(self.window), heads_outer=True, **sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(w.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for w in (self.wq, self.wk, self.wv, self.wo):
+            if w.bias is not None:
+                nn.init.zeros_(w.bias)
+        if self.sinks is not None:
+            nn.init.trunc_normal_(self.sinks, mean=0.0, std=0.02)
         if hasattr(self, "q_norm"):
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
@@ -106,7 +115,7 @@ class TransformerBlock(nn.Module):
                                     args.capacity_factor, router=args.router, norm_topk=args.norm_topk,
                                     groups=args.expert_groups,
                                     topk_groups=args.topk_groups, routed_scaling=args.routed_scaling,
-                                    shared_experts=args.shared_experts)
+                                    shared_experts=args.shared_experts, act=args.ffn_act, bias=args.moe_bias)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, args.ffn_act)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)

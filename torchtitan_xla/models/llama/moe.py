@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_xla.models.llama.layers import FeedForward, upcast
+from torchtitan_xla.models.llama.layers import FeedForward, glu, upcast
 
 
 class AddAuxLossGrad(torch.autograd.Function):
@@ -141,13 +141,15 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
                  capacity_factor: float = 0.0, *, router: str = "softmax", norm_topk: bool = True,
-                 groups: int = 1, topk_groups: int = 1, routed_scaling: float = 1.0, shared_experts: int = 0):
+                 groups: int = 1, topk_groups: int = 1, routed_scaling: float = 1.0, shared_experts: int = 0,
+                 act: str = "silu", bias: bool = False):
         super().__init__()
+        self.act = act
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router_kind, self.norm_topk = router, norm_topk
         self.groups, self.topk_groups = groups, topk_groups
         self.routed_scaling = routed_scaling
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = nn.Linear(dim, num_experts, bias=bias)
         # DeepSeek-V3: the selection bias, float32 whatever the model's dtype (as its checkpoints).
         self.expert_bias = (nn.Buffer(torch.zeros(num_experts, dtype=torch.float32))
                             if router == "sigmoid" else None)
@@ -157,6 +159,13 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # gpt-oss: each expert's biases, b1 and b3 [E, hidden] on w1's and w3's outputs, b2 [E, dim]
+        # on w2's (weighted with the rest of the expert's output).
+        self.b1 = self.b2 = self.b3 = None
+        if bias:
+            self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.zeros(num_experts, dim))
+            self.b3 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
         # Identities around the expert computation: where expert parallelism annotates the
         # expert-side tensors [E, batch, C, dim] (forward hooks, from outside, as `attention.sdpa`
         # is swapped), e.g. first by batch, then by expert, which the partitioner does by all-to-all.
@@ -246,8 +255,13 @@ class MoE(nn.Module):
         # Batch and expert stay separate dimensions throughout, so that batch and experts can be
         # sharded on different mesh axes.
         xe = self.expert_inputs(torch.einsum("bsec,bsd->ebcd", dispatch.type_as(x), x))
-        h = F.silu(torch.einsum("ebcd,ehd->ebch", xe, self.w1)) * torch.einsum("ebcd,ehd->ebch", xe, self.w3)
-        ye = self.expert_outputs(torch.einsum("ebch,edh->ebcd", h, self.w2))
+        gate, up = torch.einsum("ebcd,ehd->ebch", xe, self.w1), torch.einsum("ebcd,ehd->ebch", xe, self.w3)
+        if self.b1 is not None:  # (an empty slot's output is then not 0, but its combine weight is)
+            gate, up = gate + self.b1[:, None, None].to(gate.dtype), up + self.b3[:, None, None].to(up.dtype)
+        ye = torch.einsum("ebch,edh->ebcd", glu(self.act, gate, up), self.w2)
+        if self.b2 is not None:
+            ye = ye + self.b2[:, None, None].to(ye.dtype)
+        ye = self.expert_outputs(ye)
         return torch.einsum("bsec,ebcd->bsd", combine.type_as(ye), ye), kept
 
     def init_weights(self, init_std: float) -> None:
@@ -258,6 +272,9 @@ class MoE(nn.Module):
             nn.init.trunc_normal_(w, mean=0.0, std=init_std)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+        for b in (self.router.bias, self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
 
@@ -302,5 +319,5 @@ def set_router_loss_weights(model: nn.Module, aux_loss_weight: float, z_loss_wei
 def inactive_expert_params(model: nn.Module) -> int:
     """Expert weights a token does not run through (it uses top_k of num_experts experts): MFU
     counts active parameters only (metrics.num_flops_per_token)."""
-    return sum((m.w1.numel() + m.w2.numel() + m.w3.numel()) * (m.num_experts - m.top_k) // m.num_experts
-               for m in model.modules() if isinstance(m, MoE))
+    return sum(sum(w.numel() for w in (m.w1, m.w2, m.w3, m.b1, m.b2, m.b3) if w is not None)
+               * (m.num_experts - m.top_k) // m.num_experts for m in model.modules() if isinstance(m, MoE))

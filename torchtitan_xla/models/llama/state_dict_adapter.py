@@ -21,7 +21,6 @@ DeepSeek-V2/V3 (multi-head latent attention) keep RoPE's interleaved layout in H
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
@@ -60,6 +59,9 @@ _SANDWICH_MAP = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 }
+# gpt-oss: biases on the four projections (wq's and wk's rows permuted as the weights'), the sinks.
+_BIAS_MAP = {f"attention.{w}.bias": f"self_attn.{hf}_proj.bias" for w, hf in
+             (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o"))} | {"attention.sinks": "self_attn.sinks"}
 _EXPERT_BIAS = ("feed_forward.expert_bias", "mlp.gate.e_score_correction_bias")
 _TOP_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -85,10 +87,12 @@ _MIXTRAL_EXPERTS = {f"feed_forward.{w}": f"block_sparse_moe.experts.{{}}.{w}.wei
 _QWEN3_EXPERTS = {f"feed_forward.{w}": f"mlp.experts.{{}}.{hf}.weight"
                   for w, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
 _ROUTER = "feed_forward.router.weight"
-_MOE_PREFIXES = ("block_sparse_moe.", "mlp.gate.", "mlp.experts.")  # HF names within a layer
+_MOE_PREFIXES = ("block_sparse_moe.", "mlp.gate.", "mlp.experts.", "mlp.router.")  # HF names within a layer
 
 
 def _layer_map(args: ModelArgs) -> dict[str, str]:
+    if args.attn_bias or args.attn_sinks:
+        return {**_LAYER_MAP, **_BIAS_MAP}
     if args.sandwich_norm:
         return {**_LAYER_MAP, **_SANDWICH_MAP}
     if not args.mla:
@@ -99,9 +103,60 @@ def _layer_map(args: ModelArgs) -> dict[str, str]:
 
 
 def _expert_names(args: ModelArgs) -> tuple[dict[str, str], str]:
+    if args.moe_bias:  # gpt-oss: the experts fused (_gpt_oss_experts_to_hf)
+        return {}, "mlp.router.weight"
     if args.qk_norm or args.mla:
         return _QWEN3_EXPERTS, "mlp.gate.weight"
     return _MIXTRAL_EXPERTS, "block_sparse_moe.gate.weight"
+
+
+# gpt-oss's experts as GptOssForCausalLM holds them (and save_pretrained writes them unquantized):
+# per block `mlp.router.weight|bias`, and over the experts `mlp.experts.gate_up_proj` [E, dim,
+# 2 x hidden] (x @ W; gate and up interleaved: columns 0::2 and 1::2), `gate_up_proj_bias`
+# [E, 2 x hidden] alike, `down_proj` [E, hidden, dim] and `down_proj_bias` [E, dim].
+_GPT_OSS_EXPERTS = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "feed_forward.b1",
+                    "feed_forward.b2", "feed_forward.b3", "feed_forward.router.bias")
+
+
+def _gpt_oss_experts_to_hf(layer: str, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    hf = f"model.layers.{layer}.mlp."
+    w1, w3, b1, b3 = (ours[f"feed_forward.{n}"] for n in ("w1", "w3", "b1", "b3"))
+    return {f"{hf}experts.gate_up_proj": torch.stack([w1, w3], 2).flatten(1, 2).transpose(1, 2).contiguous(),
+            f"{hf}experts.gate_up_proj_bias": torch.stack([b1, b3], -1).flatten(1),
+            f"{hf}experts.down_proj": ours["feed_forward.w2"].transpose(1, 2).contiguous(),
+            f"{hf}experts.down_proj_bias": ours["feed_forward.b2"],
+            f"{hf}router.bias": ours["feed_forward.router.bias"]}
+
+
+def _gpt_oss_experts_from_hf(ours: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for kind in ("gate_up_proj", "down_proj"):  # the published files: MXFP4
+        if f"mlp.experts.{kind}_blocks" in tensors:
+            tensors[f"mlp.experts.{kind}"] = dequantize_mxfp4(
+                tensors.pop(f"mlp.experts.{kind}_blocks"), tensors.pop(f"mlp.experts.{kind}_scales")
+            ).transpose(1, 2)
+    gate_up = tensors.pop("mlp.experts.gate_up_proj").transpose(1, 2)  # [E, 2 x hidden, dim]
+    bias = tensors.pop("mlp.experts.gate_up_proj_bias")
+    return {f"{ours}.w1": gate_up[:, 0::2].contiguous(), f"{ours}.w3": gate_up[:, 1::2].contiguous(),
+            f"{ours}.b1": bias[:, 0::2].contiguous(), f"{ours}.b3": bias[:, 1::2].contiguous(),
+            f"{ours}.w2": tensors.pop("mlp.experts.down_proj").transpose(1, 2).contiguous(),
+            f"{ours}.b2": tensors.pop("mlp.experts.down_proj_bias"),
+            f"{ours}.router.weight": tensors.pop("mlp.router.weight"),
+            f"{ours}.router.bias": tensors.pop("mlp.router.bias")}
+
+
+# OCP Microscaling FP4 (E2M1): the 16 values of a nibble, its top bit the sign.
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """gpt-oss's published expert weights: `blocks` uint8 [..., out, groups, 16] (two FP4 values a
+    byte, the low nibble first), `scales` uint8 [..., out, groups] (each group of 32 values times
+    2^(scale - 127)) -> [..., out, groups x 32] in `dtype` (bfloat16 holds every value exactly). The
+    format is the OCP MX specification's; transformers' mxfp4 integration reads it alike."""
+    table = torch.tensor(_FP4_E2M1, dtype=torch.float32)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], -1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).to(dtype)
 
 
 def _moe_to_hf(layer: str, name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -119,6 +174,8 @@ def _moe_from_hf(layers: dict[str, dict[str, torch.Tensor]], args: ModelArgs) ->
     out = {}
     for layer, tensors in layers.items():
         ours = f"layers.{layer}.feed_forward"
+        if args.moe_bias:
+            out.update(_gpt_oss_experts_from_hf(ours, tensors))
         for name in (router, "mlp.gate.weight"):  # on disk, in memory
             if name in tensors:
                 out[f"{ours}.router.weight"] = tensors.pop(name)
@@ -147,9 +204,9 @@ def _moe_from_hf(layers: dict[str, dict[str, torch.Tensor]], args: ModelArgs) ->
 def _permute_for(name: str, args: ModelArgs):
     if args.mla:  # DeepSeek's HF weights are interleaved as ours
         return None
-    if name.endswith("attention.wq.weight"):
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return args.n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return args.kv_heads
     if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
         return 1
@@ -162,6 +219,12 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
     from torchtitan_xla.lora import split_adapter
 
     out = {}
+    if args.moe_bias:  # gpt-oss: each block's experts as fused tensors
+        for layer in {name.split(".")[1] for name in state_dict if name.endswith("feed_forward.w1")}:
+            prefix = f"layers.{layer}."
+            ours = {n.removeprefix(prefix): t for n, t in state_dict.items() if n.startswith(prefix)}
+            out.update(_gpt_oss_experts_to_hf(layer, ours))
+        state_dict = {n: t for n, t in state_dict.items() if not n.endswith(_GPT_OSS_EXPERTS)}
     for name, t in state_dict.items():
         if name in _TOP_MAP:
             out[_TOP_MAP[name]] = t
@@ -213,160 +276,3 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         out[ours] = _half_to_interleaved(t, heads) if heads else t
     out.update(_moe_from_hf(moe, args))
     return out
-
-
-def hf_config(args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None = None,
-              dtype: str = "float32") -> dict[str, Any]:
-    """The `config.json` with which `LlamaForCausalLM`, with experts `MixtralForCausalLM`, with
-    query/key norms `Qwen3ForCausalLM` (and experts `Qwen3MoeForCausalLM`) computes what our model
-    computes, and which describes it as trained: its context length (the flavor's, or the positions
-    training reached beyond it) and, with experts, the load-balancing loss's weight."""
-    moe, qwen3 = args.num_experts > 0, args.qk_norm
-    if args.mla:
-        return _deepseek_config(args, bos_id, eos_id, dtype)
-    if args.sandwich_norm:
-        return _gemma3_config(args, bos_id, eos_id, dtype)
-    if args.router != "softmax" or not args.norm_topk or args.routed_scaling != 1.0 or args.shared_experts:
-        raise ValueError("no transformers architecture has Llama attention with DeepSeek's routing: "
-                         "export to HuggingFace needs a deepseek_v2 or deepseek_v3 model (latent attention)")
-    if moe and args.moe_every != 1 and not qwen3:
-        # Qwen3-MoE interleaves dense and MoE blocks as moe_every does (decoder_sparse_step), but
-        # with query/key norms; Qwen2-MoE with q/k/v biases and a shared expert.
-        raise ValueError(f"no transformers architecture has Llama blocks with experts in one block of every "
-                         f"{args.moe_every} (moe_every={args.moe_every}): export to HuggingFace needs "
-                         f"moe_every = 1, experts in every block (Mixtral), or a qwen3 model")
-    cfg: dict[str, Any] = {
-        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
-        "model_type": "mixtral" if moe else "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,  # the dense blocks' (with moe_every > 1)
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "vocab_size": args.vocab_size,
-        # Not RoPE's input (transformers' default and llama3 RoPE ignore it, as ours does): the
-        # context, which max_seq_len (training's seq_len) alone would understate.
-        "max_position_embeddings": max(args.context_len, args.max_seq_len),
-        "attention_dropout": 0.0,
-    }
-    if moe:
-        # transformers' MoE models are dropless: a model trained with a capacity factor computes
-        # there what ours computes when no token is dropped. They add router_aux_loss_coef x their
-        # balancing loss to the loss only with output_router_logits: on when training weighted it,
-        # so training on goes on alike (its loss averages the layers' fractions first, moe.py; no
-        # z-loss exists there).
-        cfg.update({"num_experts_per_tok": args.top_k, "router_aux_loss_coef": args.aux_loss_weight,
-                    "output_router_logits": args.aux_loss_weight > 0,
-                    "tie_word_embeddings": args.tie_embeddings})
-    if moe and qwen3:
-        cfg.update({
-            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "num_experts": args.num_experts, "moe_intermediate_size": args.expert_hidden_dim,
-            "decoder_sparse_step": args.moe_every, "mlp_only_layers": [],
-            "norm_topk_prob": True,  # our router renormalises the top-k probabilities
-            "attention_bias": False, "use_sliding_window": False, "sliding_window": None})
-    elif moe:
-        cfg.update({
-            "sliding_window": None,  # Mixtral's attention is full (Mistral 7B's had a window)
-            "num_local_experts": args.num_experts, "intermediate_size": args.expert_hidden_dim,
-            "router_jitter_noise": 0.0,
-        })
-    elif qwen3:
-        cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                    "tie_word_embeddings": args.tie_embeddings, "attention_bias": False,
-                    "use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers})
-    else:
-        cfg.update({"tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False})
-    cfg["torch_dtype"] = dtype
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings}
-    if bos_id is not None:
-        cfg["bos_token_id"] = bos_id
-    if eos_id is not None:
-        cfg["eos_token_id"] = eos_id
-    return cfg
-
-
-def _gemma3_config(args: ModelArgs, bos_id: int | None, eos_id: int | None, dtype: str) -> dict[str, Any]:
-    """`Gemma3ForCausalLM`'s config.json (model_type gemma3_text): each block's attention type listed,
-    the global blocks' RoPE base and linear scaling, the local ones' base."""
-    gemma = (args.norm_offset == 1.0 and args.qk_norm and args.embed_scale and args.tie_embeddings
-             and args.ffn_act == "gelu_tanh" and not args.num_experts and args.rope_scaling is None
-             and args.yarn is None)
-    if not gemma:
-        raise ValueError("a model with Gemma's sandwich norms exports to HuggingFace as Gemma 3 only: "
-                         "with the gemma3 flavors' other options (norm offset 1, query/key norms, GeGLU, "
-                         "scaled and tied embeddings, no experts)")
-    cfg: dict[str, Any] = {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
-        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": args.norm_eps,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": max(args.context_len, args.max_seq_len),
-        "query_pre_attn_scalar": args.query_pre_attn_scalar or args.head_dim,
-        "sliding_window": args.sliding_window,
-        "layer_types": ["sliding_attention" if args.window(i) else "full_attention"
-                        for i in range(args.n_layers)],
-        "rope_theta": args.rope_theta, "rope_local_base_freq": args.rope_local_theta or args.rope_theta,
-        "rope_scaling": ({"rope_type": "linear", "factor": args.rope_linear_factor}
-                         if args.rope_linear_factor != 1.0 else None),
-        "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
-        "attn_logit_softcapping": None, "final_logit_softcapping": None, "torch_dtype": dtype,
-    }
-    for key, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
-        if value is not None:
-            cfg[key] = value
-    return cfg
-
-
-def _deepseek_config(args: ModelArgs, bos_id: int | None, eos_id: int | None,
-                     dtype: str) -> dict[str, Any]:
-    """`DeepseekV3ForCausalLM`'s config.json (sigmoid router), or `DeepseekV2ForCausalLM`'s
-    (softmax): interleaved RoPE as our weights, no multi-token prediction module (V3's default would
-    expect one), experts after dense_layers blocks."""
-    v3 = args.router == "sigmoid"
-    if args.num_experts and (args.moe_every != 1 or args.norm_topk != v3):
-        raise ValueError("DeepSeek's HF models have experts in every block after the dense ones, V3 "
-                         "renormalising its top-k and V2 not: export to HuggingFace needs moe_every = 1 "
-                         "and norm_topk as theirs")
-    cfg: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
-        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
-        "moe_intermediate_size": args.expert_hidden_dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_heads,
-        "n_routed_experts": args.num_experts, "num_experts_per_tok": args.top_k,
-        "n_shared_experts": args.shared_experts, "routed_scaling_factor": args.routed_scaling,
-        "n_group": args.expert_groups, "topk_group": args.topk_groups, "norm_topk_prob": args.norm_topk,
-        "first_k_dense_replace": args.dense_layers if args.num_experts else args.n_layers,
-        "moe_layer_freq": 1, "scoring_func": "sigmoid" if v3 else "softmax",
-        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if args.expert_groups > 1 else "greedy"),
-        "aux_loss_alpha": args.aux_loss_weight, "seq_aux": True,
-        "q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim, "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "max_position_embeddings": max(args.context_len, args.max_seq_len),
-        "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "attention_bias": False,
-        "attention_dropout": 0.0, "torch_dtype": dtype,
-    }
-    if v3:  # V2 always rotates interleaved pairs
-        cfg.update({"rope_interleave": True, "num_nextn_predict_layers": 0})
-    if args.yarn is not None:
-        y = args.yarn
-        cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": y.factor,
-                               "original_max_position_embeddings": y.original_max_position_embeddings,
-                               "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
-                               "mscale_all_dim": y.mscale_all_dim}
-    for key, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
-        if value is not None:
-            cfg[key] = value
-    return cfg

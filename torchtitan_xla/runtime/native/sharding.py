@@ -236,12 +236,14 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def run_locally(module: nn.Module, mesh, specs: Sequence, out_spec: Sequence) -> None:
+def run_locally(module: nn.Module, mesh, specs: Sequence, out_spec: Sequence,
+                keyword_specs: dict[str, Sequence] | None = None) -> None:
     """`module`'s forward on each process's own blocks of its tensor arguments (laid out by
-    `specs`, one per argument), returning blocks of `out_spec`: torch's local_map. For code that
-    is independent per block (attention per sequence and head) and whose ops DTensor has no
-    rules for."""
-    module._local = (mesh, [placements(mesh, s) for s in specs], placements(mesh, out_spec))
+    `specs`, one per argument, and `keyword_specs` by keyword), returning blocks of `out_spec`:
+    torch's local_map. For code that is independent per block (attention per sequence and head)
+    and whose ops DTensor has no rules for."""
+    module._local = (mesh, [placements(mesh, s) for s in specs], placements(mesh, out_spec),
+                     {k: placements(mesh, s) for k, s in (keyword_specs or {}).items()})
     module.__class__ = _local_class(module.__class__)
 
 
@@ -254,12 +256,14 @@ def _local_class(cls: type) -> type:
     if cls not in _LOCAL_CLASSES:
         from torch.distributed.tensor.experimental import local_map
 
-        def forward(self, *args):
-            mesh, ins, out = self._local
-            local = local_map(lambda *a: cls.forward(self, *a), out_placements=out,
-                              in_placements=tuple(ins[:len(args)]), device_mesh=mesh,
-                              redistribute_inputs=True)
-            return local(*(_ContiguousGrad.apply(a) if isinstance(a, DTensor) else a for a in args))
+        def forward(self, *args, **kwargs):
+            mesh, ins, out, keyword_ins = self._local
+            names, n = list(kwargs), len(args)  # local_map takes positional arguments only
+            local = local_map(lambda *a: cls.forward(self, *a[:n], **dict(zip(names, a[n:]))),
+                              out_placements=out, device_mesh=mesh, redistribute_inputs=True,
+                              in_placements=tuple(ins[:n]) + tuple(keyword_ins[k] for k in names))
+            return local(*(_ContiguousGrad.apply(a) if isinstance(a, DTensor) else a
+                           for a in (*args, *kwargs.values())))
 
         _LOCAL_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward})
     return _LOCAL_CLASSES[cls]

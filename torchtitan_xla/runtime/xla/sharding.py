@@ -53,7 +53,8 @@ def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-def run_locally(module: torch.nn.Module, mesh, specs: Sequence[Spec], out_spec: Spec) -> None:
+def run_locally(module: torch.nn.Module, mesh, specs: Sequence[Spec], out_spec: Spec,
+                keyword_specs: dict[str, Spec] | None = None) -> None:
     """XLA partitions any module by itself: it stays as it is."""
 
 
