@@ -72,3 +72,28 @@ def train_qwen_style_tokenizer(folder: Path, vocab_size: int = 800) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
     return folder
+
+
+# Gemma's special tokens, at its ids (0-3), and its chat turns'.
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def train_gemma_style_tokenizer(folder: Path, vocab_size: int = 800) -> Path:
+    """A tokenizer.json built as Gemma's is: spaces normalised to "▁", no pre-tokenizer (pieces
+    may span a newline or a turn's role and content), BPE with byte fallback, <bos> and <eos>, and
+    the chat turns' special tokens; trained on the embedded corpus. Returns the folder holding it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    from torchtitan_xla.datasets import python_docs
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    alphabet = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=GEMMA_SPECIAL + alphabet,
+                                  show_progress=False)
+    # Documents cut into lines (with their newlines) keep the trainer's words short.
+    backend.train_from_iterator((line for d in python_docs.documents() for line in d.splitlines(True)), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    return folder

@@ -211,7 +211,7 @@ def test_llama2_format_and_exactly_the_answers_are_trained(sp_tok, tmp_path):
 
 def test_a_tokenizer_without_a_chat_format_is_refused(tmp_path):
     path = write_chat(tmp_path / "c.jsonl", [{"prompt": "p", "completion": "c"}])
-    with pytest.raises(ConfigError, match=r"has neither ChatML's <\|im_start\|> nor Llama 3's"):
+    with pytest.raises(ConfigError, match=r"has none of ChatML's <\|im_start\|>, Llama 3's"):
         chat_stream(CharTokenizer(), 16, path)
 
 

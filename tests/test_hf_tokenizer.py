@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_helpers import train_qwen_style_tokenizer
+from data_helpers import train_gemma_style_tokenizer, train_qwen_style_tokenizer
 
 from torchtitan_xla.config import ConfigError
 from torchtitan_xla.datasets import python_docs
@@ -86,6 +86,37 @@ def test_chatml_rendering_equals_apply_chat_template_and_trains_only_the_answers
         assert picked.count(end) == len(answers)
     prompt = hf.apply_chat_template(chats[0][:-1], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_gemma_rendering_equals_apply_chat_template_and_trains_only_the_answers(tmp_path):
+    """A Gemma-style tokenizer.json (no pre-tokenizer: pieces may span a turn's role, newline and
+    content): <bos>, <eos>, <pad> and the Gemma chat format found by their names. Every embedded
+    conversation, and one with a system message: the ids training renders are apply_chat_template's
+    on the exported tokenizer (Gemma 3's format: the system text opening the first user turn); the
+    trained ids are each answer and its <end_of_turn>."""
+    import transformers
+
+    from torchtitan_xla.datasets.chat import generation_prompt
+
+    tok = build_tokenizer(str(train_gemma_style_tokenizer(tmp_path / "gemma")))
+    assert (tok.chat_format, tok.bos_id, tok.eos_id, tok.pad_id) == ("gemma", 2, 1, 0)
+    tok.save_pretrained(tmp_path / "out")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hello \n"},
+              {"role": "assistant", "content": "Hi."}]
+    assert hf.apply_chat_template(system, tokenize=False) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHello<end_of_turn>\n<start_of_turn>model\nHi.<end_of_turn>\n")
+    end = tok.special_tokens["<end_of_turn>"]
+    for messages in [system, *conversations()]:
+        ids, trained = render(messages, tok)
+        assert hf.apply_chat_template(messages, tokenize=True)["input_ids"] == ids
+        answers = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+        picked = [i for i, t in zip(ids, trained) if t]
+        assert tok.decode(picked) == "<end_of_turn>".join(answers) + "<end_of_turn>"
+        assert picked.count(end) == len(answers)
+        prompt = hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert generation_prompt(messages[:-1], tok) == prompt
+    assert hf.decode(prompt).endswith("<end_of_turn>\n<start_of_turn>model\n")
 
 
 def test_a_llama3_tokenizer_json_keeps_llama3s_ids_bos_and_chat_format(tmp_path):

@@ -24,7 +24,8 @@ RECIPES = {"debug_model": "v6e-8", "llama2_7b": "v5p-64", "llama3_8b": "v6e-256"
            "qwen3_30b_a3b": "v5p-128", "llama3_2_1b": "v6e-8", "deepseek_v3_16b": "v5p-64",
            "deepseek_v3_671b": "v5p-1024", "llama3_8b_128k": "v5p-128", "llama3_405b_2slices": "v6e-256",
            "debug_dpo": "v6e-8", "llama3_8b_dpo": "v6e-64", "qwen3_8b_dpo": "v6e-64",
-           "debug_grpo": "v6e-8", "llama3_2_1b_grpo": "v6e-8", "qwen3_8b_grpo": "v5p-8"}
+           "debug_grpo": "v6e-8", "llama3_2_1b_grpo": "v6e-8", "qwen3_8b_grpo": "v5p-8",
+           "gemma3_12b_sft": "v6e-64", "gemma3_27b_lora": "v6e-16", "gpt_oss_20b": "v5p-16"}
 
 
 # The data-parallel degree of the grpo recipes' meshes (their rollouts' rows: local_batch_size x it).

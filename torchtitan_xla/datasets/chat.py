@@ -19,12 +19,16 @@ Rendering (`render`) follows the reference code of the tokenizer's model family:
   text: message text that looks like a special token stays plain text.
 - ChatML (a tokenizer.json with <|im_start|>, Qwen's): per message <|im_start|> role "\\n"
   content.strip() <|im_end|> "\\n"; no BOS.
+- Gemma (a tokenizer.json with <start_of_turn>): <bos>, then per message <start_of_turn> role
+  ("model" for the assistant) "\\n" content.strip() <end_of_turn> "\\n", a system message's
+  content and "\\n\\n" before the first user turn's content; each turn's text encoded whole, as
+  the chat template's string is.
 - Llama 2 (sentencepiece): a system message is folded into the first user turn as
   "<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}"; each (user, assistant) pair is
   BOS + "[INST] {user} [/INST] {assistant} " + EOS.
 Only the assistant's tokens are trained: its content, and its closing <|eot_id|> (Llama 3),
-<|im_end|> (ChatML) or EOS (Llama 2), so the model learns to stop. Headers, BOS, system and user
-turns are context only.
+<|im_end|> (ChatML), <end_of_turn> (Gemma) or EOS (Llama 2), so the model learns to stop.
+Headers, BOS, system and user turns are context only.
 
 Training rows (packing.ChatDataset): a conversation of n tokens gives n - 1 (input, label) pairs,
 label i = ids[i + 1], or -100 (ignored by the loss) where ids[i + 1] is not trained. Each row is
@@ -112,12 +116,12 @@ def _check_turns(messages: list[Message], final: str) -> None:
 
 
 def chat_format(tokenizer: Tokenizer) -> str:
-    """"llama3", "llama2" or "chatml": the chat format of the tokenizer's model family (never
-    guessed: a tokenizer.json without ChatML's or Llama 3's special tokens has none)."""
+    """"llama3", "llama2", "chatml" or "gemma": the chat format of the tokenizer's model family
+    (never guessed: a tokenizer.json without ChatML's, Llama 3's or Gemma's special tokens has none)."""
     if tokenizer.chat_format is None:
-        raise ConfigError(f"[model] tokenizer_path: {getattr(tokenizer, 'path', '')} has neither ChatML's "
-                          f"<|im_start|> nor Llama 3's <|start_header_id|> special token: chat data "
-                          f"needs one of the chat formats (datasets/chat.py)")
+        raise ConfigError(f"[model] tokenizer_path: {getattr(tokenizer, 'path', '')} has none of ChatML's "
+                          f"<|im_start|>, Llama 3's <|start_header_id|> and Gemma's <start_of_turn> special "
+                          f"tokens: chat data needs one of the chat formats (datasets/chat.py)")
     return tokenizer.chat_format
 
 
@@ -130,8 +134,33 @@ def pad_id(tokenizer: Tokenizer) -> int:
 def render(messages: list[Message], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """The conversation's token ids in the tokenizer's chat format, and for each id whether it is
     trained (the assistant's content and end-of-turn token)."""
-    return {"llama3": _render_llama3, "chatml": _render_chatml,
+    return {"llama3": _render_llama3, "chatml": _render_chatml, "gemma": _render_gemma,
             "llama2": _render_llama2}[chat_format(tokenizer)](messages, tokenizer)
+
+
+def _after_common_prefix(head: list[int], whole: list[int]) -> int:
+    """Where `whole` (the encoding of a header's text and what follows it) parts from `head` (the
+    header's alone): the first token that is not the header's. A token spanning the boundary
+    holds text after it, so it counts as what follows."""
+    return next((i for i, (a, b) in enumerate(zip(head, whole)) if a != b), min(len(head), len(whole)))
+
+
+def _render_gemma(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
+    special = tokenizer.special_tokens
+    start, end = special["<start_of_turn>"], special["<end_of_turn>"]
+    newline = tokenizer.encode("\n", bos=False, eos=False)
+    prefix = ""
+    if messages[0]["role"] == "system":
+        prefix, messages = messages[0]["content"] + "\n\n", messages[1:]
+    ids, trained = [tokenizer.bos_id], [False]
+    for k, m in enumerate(messages):
+        head = ("model" if m["role"] == "assistant" else m["role"]) + "\n" + (prefix if k == 0 else "")
+        turn = tokenizer.encode(head + m["content"].strip(), bos=False, eos=False)
+        common = _after_common_prefix(tokenizer.encode(head, bos=False, eos=False), turn)
+        answer = m["role"] == "assistant"
+        ids += [start, *turn, end, *newline]
+        trained += [False] * (1 + common) + [answer] * (len(turn) - common + 1) + [False] * len(newline)
+    return ids, trained
 
 
 def _render_llama3(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
@@ -176,9 +205,7 @@ def _render_llama2(messages: list[Message], tokenizer) -> tuple[list[int], list[
         # tokens are what follows the longest common prefix with the question's own encoding:
         # pieces start at whitespace, so that prefix is the whole question, and a piece that
         # spanned the boundary would count as the answer's (it holds answer text).
-        asked = tokenizer.encode(question, bos=True, eos=False)
-        common = next((i for i, (a, b) in enumerate(zip(asked, pair)) if a != b),
-                      min(len(asked), len(pair)))
+        common = _after_common_prefix(tokenizer.encode(question, bos=True, eos=False), pair)
         ids += pair
         trained += [False] * common + [True] * (len(pair) - common)
     return ids, trained
@@ -196,7 +223,9 @@ def generation_prompt(messages: list[Message], tokenizer: Tokenizer) -> list[int
         question = f"{B_INST} {messages[-1]['content'].strip()} {E_INST}"
         return before + tokenizer.encode(question, bos=True, eos=False)
     special, role = tokenizer.special_tokens, tokenizer.encode("assistant", bos=False, eos=False)
-    if fmt == "llama3":
+    if fmt == "gemma":
+        header = [special["<start_of_turn>"], *tokenizer.encode("model\n", bos=False, eos=False)]
+    elif fmt == "llama3":
         header = [special["<|start_header_id|>"], *role, special["<|end_header_id|>"],
                   *tokenizer.encode("\n\n", bos=False, eos=False)]
     else:
@@ -207,4 +236,4 @@ def generation_prompt(messages: list[Message], tokenizer: Tokenizer) -> list[int
 def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
     """The ids that end an assistant's turn in the tokenizer's chat format, besides EOS."""
     special = getattr(tokenizer, "special_tokens", None) or {}
-    return [special[t] for t in ("<|eot_id|>", "<|im_end|>") if t in special]
+    return [special[t] for t in ("<|eot_id|>", "<|im_end|>", "<end_of_turn>") if t in special]

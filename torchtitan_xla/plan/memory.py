@@ -33,7 +33,7 @@ BYTES_PARAM = BYTES_GRAD = BYTES_STATE = 4
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "Lion": 1, "Muon": 1, "Adafactor": 0}  # Adafactor: O(rows + cols)
 # Vocabulary of the real tokenizers, used when the tokenizer file is not at hand.
 DEFAULT_VOCAB = {"llama2": 32000, "llama3": 128256, "mixtral": 32000, "qwen3": 151936, "deepseek_v2": 102400,
-                 "deepseek_v3": 129280, "gemma3": 262144}
+                 "deepseek_v3": 129280, "gemma3": 262144, "gpt_oss": 201088}
 
 # Per token, as multiples of (dim, FFN hidden size, heads x seq with sdpa, heads x seq with
 # blockwise): what the blocks of each kind keep for their backward (times their number), and what

@@ -2,10 +2,11 @@
 and most models since 2024 ship them, with the `tokenizer_config.json` beside it when there is one
 (its BOS, EOS and padding tokens; without it, the names of the Llama 3 and Qwen families).
 
-The chat format follows the special tokens: ChatML (`<|im_start|>` / `<|im_end|>`, Qwen's) or
-Llama 3's headers (datasets/chat.py). The file's pre-tokeniser, model and normaliser are used as
-they are; the post-processor is not (BOS and EOS are added by `encode`'s flags, as for the other
-tokenizers), and special-token text inside a document is encoded as plain text.
+The chat format follows the special tokens: ChatML (`<|im_start|>` / `<|im_end|>`, Qwen's), Llama
+3's headers or Gemma's turns (`<start_of_turn>`; datasets/chat.py). The file's pre-tokeniser, model
+and normaliser are used as they are; the post-processor is not (BOS and EOS are added by `encode`'s
+flags, as for the other tokenizers), and special-token text inside a document is encoded as plain
+text.
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim"
     " + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Gemma 3's chat format as datasets/chat.py renders it (its tokenizer_config.json's template for
+# text content: the assistant is "model", a system message opens the first user turn).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\n' + (prefix if loop.first else '') + message['content'] | trim "
+    "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}"
+    "{% endif %}")
+CHAT_FORMATS = {"<|im_start|>": "chatml", "<|start_header_id|>": "llama3", "<start_of_turn>": "gemma"}
 # By family, when no tokenizer_config.json names them: (BOS, EOS, padding), first found wins.
-KNOWN = {"bos": ["<|begin_of_text|>"], "eos": ["<|end_of_text|>", "<|endoftext|>"],
-         "pad": ["<|finetune_right_pad_id|>", "<|endoftext|>"]}
+KNOWN = {"bos": ["<|begin_of_text|>", "<bos>"], "eos": ["<|end_of_text|>", "<|endoftext|>", "<eos>"],
+         "pad": ["<|finetune_right_pad_id|>", "<|endoftext|>", "<pad>"]}
 
 
 def is_tokenizer_json(path: Path) -> bool:
@@ -64,8 +76,7 @@ class HFTokenizer(Tokenizer):
                               f"{KNOWN['eos']}); put the model's tokenizer_config.json, which names "
                               f"its eos_token, beside it")
         self.n_words = self.backend.get_vocab_size(with_added_tokens=True)
-        self.chat_format = ("chatml" if "<|im_start|>" in self.special_tokens
-                            else "llama3" if "<|start_header_id|>" in self.special_tokens else None)
+        self.chat_format = next((f for t, f in CHAT_FORMATS.items() if t in self.special_tokens), None)
 
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
@@ -92,7 +103,8 @@ class HFTokenizer(Tokenizer):
         if bos:  # (a family without BOS keeps the file's own post-processor)
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
-        template = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_CHAT_TEMPLATE}.get(self.chat_format)
+        template = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_CHAT_TEMPLATE,
+                    "gemma": GEMMA_TEMPLATE}.get(self.chat_format)
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=token[self.eos_id],
                                      pad_token=token[self.pad_id], chat_template=template)
         hf.save_pretrained(str(out_dir))

@@ -1,6 +1,7 @@
 """Where the recipes' tokenizers come from: each model family's tokenizer file in its HuggingFace
-repository (gated for Llama and Mixtral, open for Qwen and DeepSeek), for the error a user sees when the file
-is missing and for `scripts/download_tokenizer.py`, which fetches it. Nothing here downloads at run time."""
+repository (gated for Llama, Mixtral and Gemma, open for Qwen, DeepSeek and gpt-oss), for the error
+a user sees when the file is missing and for `scripts/download_tokenizer.py`, which fetches it.
+Nothing here downloads at run time."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ SOURCES = {
                                    "./assets/tokenizer/deepseek_v3/tokenizer.json", gated=False),
     "deepseek_v2": TokenizerSource("deepseek-ai/DeepSeek-V2-Lite", "tokenizer.json",
                                    "./assets/tokenizer/deepseek_v2/tokenizer.json", gated=False),
+    # Gemma 3's is the same for every size (262,144 tokens; the multimodal checkpoints' 64 extra
+    # embedding rows have no token); its chat format is read from its <start_of_turn> token.
+    "gemma3": TokenizerSource("google/gemma-3-1b-it", "tokenizer.json",
+                              "./assets/tokenizer/gemma3/tokenizer.json"),
+    # o200k_harmony (201,088 embedding rows); its chat format (harmony) is not rendered here.
+    "gpt_oss": TokenizerSource("openai/gpt-oss-20b", "tokenizer.json",
+                               "./assets/tokenizer/gpt_oss/tokenizer.json", gated=False),
 }
 
 

@@ -191,6 +191,11 @@ class ModelArgs:
         p = self.sliding_window_pattern
         return 0 if not self.sliding_window or (p and (i + 1) % p == 0) else self.sliding_window
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Every block's window (what sliding_window and its pattern make of them)."""
+        return tuple(self.window(i) for i in range(self.n_layers))
+
     def is_moe_layer(self, i: int) -> bool:
         """Whether block i (0-based) has a mixture of experts instead of the dense SwiGLU."""
         return self.num_experts > 0 and i >= self.dense_layers and (i + 1) % self.moe_every == 0

@@ -79,8 +79,9 @@ _ARCHITECTURE = (("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
                  ("dense_layers", "first_k_dense_replace"),
                  ("expert_groups", "n_group"), ("topk_groups", "topk_group"),
                  ("routed_scaling", "routed_scaling_factor"), ("yarn", "rope_scaling"),
-                 ("sliding_window", "sliding_window"), ("sliding_window_pattern", "layer_types"),
+                 ("windows", "layer_types"),
                  ("sandwich_norm", "model_type"), ("ffn_act", "hidden_activation"),
+                 ("attn_bias", "attention_bias"), ("attn_sinks", "model_type"), ("moe_bias", "model_type"),
                  ("query_pre_attn_scalar", "query_pre_attn_scalar"),
                  ("rope_local_theta", "rope_local_base_freq"), ("rope_linear_factor", "rope_scaling"))
 
