@@ -300,3 +300,39 @@ def rmsnorm_in_input_dtype(self, hidden_states):
 
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def chat_finetune_jobs(out: Path, model: list[str], tokenizer: Path, sft_lr: str, lora_lr: str) -> dict:
+    """A user's fine-tuning, for train_many: "pretrain", 6 steps of the model exported to HF; then
+    "sft" and "lora" (rank 8), 30 steps each on the embedded chat set from that export, validation
+    on the held-out topics every 10 steps, each exported to HF after its last step (LoRA: and to
+    PEFT)."""
+    common = [*model, "--model.tokenizer_path", str(tokenizer)]
+    base = out / "pretrain" / "checkpoint" / "step-6-hf"
+    export = ["--checkpoint.enable", "--checkpoint.interval", "30", "--checkpoint.last_save_in_hf"]
+    learn = [*common, "--training.dataset", "python_docs_chat", "--training.seq_len", "256",
+             "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf", "--training.steps", "30",
+             "--training.local_batch_size", "4", "--validation.enable", "--validation.freq", "10",
+             "--validation.steps", "-1", *export]
+    return {"pretrain": tiny_args(out / "pretrain", *common, "--training.steps", "6", "--training.local_batch_size",
+                                  "8", "--checkpoint.enable", "--checkpoint.last_save_in_hf"),
+            "sft": tiny_args(out / "sft", *learn, "--optimizer.lr", sft_lr),
+            "lora": tiny_args(out / "lora", *learn, "--optimizer.lr", lora_lr, "--lora.rank", "8")}
+
+
+def decode_through_cache(model, tokens, prompt: int):
+    """The logits of `tokens` [batch, seq] computed as generation does: the first `prompt` tokens at
+    once into a fresh KV cache, then one token at a time (one document, positions from 0)."""
+    import torch
+
+    from torchtitan_xla.generate.cache import KVCache
+
+    batch, seq = tokens.shape
+    cache = KVCache(len(model.layers), batch, seq, "cpu")
+    documents = torch.ones(batch, seq, dtype=torch.long)
+    steps = []
+    for start, end in [(0, prompt), *((t, t + 1) for t in range(prompt, seq))]:
+        positions = torch.arange(start, end).expand(batch, -1)
+        cache.write(torch.arange(start, end), positions, documents[:, start:end])
+        steps.append(model(tokens[:, start:end], positions, documents[:, start:end], cache=cache))
+    return torch.cat(steps, dim=1)

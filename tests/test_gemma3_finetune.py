@@ -10,10 +10,9 @@ import pytest
 import torch
 from checkpoint_helpers import TWO_BLOCKS
 from data_helpers import train_gemma_style_tokenizer
-from helpers import tiny_args, train_many
+from helpers import chat_finetune_jobs, train_many
 
 GEMMA3 = ["--model.name", "gemma3", "--model.flavor", "debugmodel"]
-CHAT = ["--training.dataset", "python_docs_chat", "--training.seq_len", "256"]
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +22,8 @@ def gemma3_runs(tmp_path_factory):
     local (a 16-token window: conversations are longer)."""
     out = tmp_path_factory.mktemp("gemma3")
     tokenizer = train_gemma_style_tokenizer(out / "tokenizer")
-    common = [*GEMMA3, "--model.tokenizer_path", str(tokenizer)]
-    base = out / "pretrain" / "checkpoint" / "step-6-hf"
-    learn = [*common, *CHAT, "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf",
-             "--training.steps", "30", "--training.local_batch_size", "4", "--validation.enable",
-             "--validation.freq", "10", "--validation.steps", "-1"]
-    runs = {
-        "pretrain": tiny_args(out / "pretrain", *common, "--training.steps", "6", "--training.local_batch_size", "8",
-                              "--checkpoint.enable", "--checkpoint.last_save_in_hf"),
-        "sft": tiny_args(out / "sft", *learn, "--optimizer.lr", "6e-3", "--checkpoint.enable",
-                         "--checkpoint.interval", "30", "--checkpoint.last_save_in_hf"),
-        "lora": tiny_args(out / "lora", *learn, "--optimizer.lr", "8e-3", "--lora.rank", "8",
-                          "--checkpoint.enable", "--checkpoint.interval", "30", "--checkpoint.last_save_in_hf"),
-    }
-    return out, train_many(runs, devices=1, model_overrides=TWO_BLOCKS)
+    return out, train_many(chat_finetune_jobs(out, GEMMA3, tokenizer, "6e-3", "8e-3"), devices=1,
+                           model_overrides=TWO_BLOCKS)
 
 
 @pytest.mark.parametrize("kind", ["sft", "lora"])

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import rmsnorm_in_input_dtype, tiny_args, train_many
+from helpers import decode_through_cache, rmsnorm_in_input_dtype, tiny_args, train_many
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import Transformer
@@ -97,22 +97,37 @@ def test_a_packed_batch_gives_each_documents_own_logits(float64_gpt_oss):
         torch.testing.assert_close(packed[:, start:end], hf(tokens[:, start:end]).logits, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+def test_blockwise_attention_with_sinks_equals_the_einsum_kernel(packed):
+    """The blockwise kernel (query blocks of at most half a window on the local blocks) with the
+    sinks: the einsum kernel's logits and gradients in float64, 29 tokens (window 8), one document
+    or two packed."""
+    from torchtitan_xla.models.llama.blockwise_attention import BlockwiseCausalAttention
+
+    _, model, _ = _models()
+    tokens = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    mask = (torch.tensor([[1] * 13 + [2] * 16] * 2), torch.cat([torch.arange(13), torch.arange(16)])[None]
+            .expand(2, -1)) if packed else ()
+    runs = []
+    for blockwise in (False, True):
+        if blockwise:
+            for block in model.layers.values():
+                block.attention.sdpa = BlockwiseCausalAttention(window=block.attention.sdpa.window)
+        model.zero_grad()
+        logits = model(tokens, *reversed(mask))
+        logits.square().mean().backward()
+        runs.append((logits, [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=1e-12)
+    for blockwise_grad, einsum_grad in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(blockwise_grad, einsum_grad, rtol=0, atol=1e-11)
+
+
 def test_decoding_through_the_kv_cache_equals_the_whole_sequence(float64_gpt_oss):
     """The sinks and the window in the KV cache's attention: a 12-token prompt (longer than the
     window) then 8 tokens one at a time give the whole sequence's logits."""
-    from torchtitan_xla.generate.cache import KVCache
-
     _, model, _ = _models()
     tokens = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(4))
-    whole = model(tokens)
-    cache = KVCache(4, 2, 24, "cpu")
-    documents = torch.ones(2, 20, dtype=torch.long)
-    cache.write(torch.arange(12), torch.arange(12).expand(2, 12), documents[:, :12])
-    steps = [model(tokens[:, :12], torch.arange(12).expand(2, 12), documents[:, :12], cache=cache)]
-    for t in range(12, 20):
-        cache.write(torch.tensor([t]), torch.tensor([[t], [t]]), documents[:, t:t + 1])
-        steps.append(model(tokens[:, t:t + 1], torch.tensor([[t], [t]]), documents[:, t:t + 1], cache=cache))
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(decode_through_cache(model, tokens, 12), model(tokens), rtol=0, atol=1e-12)
 
 
 def test_a_transformers_folder_imports_with_its_architecture_and_logits(float64_gpt_oss, tmp_path):
@@ -244,13 +259,12 @@ def test_the_published_config_reads_as_the_20b_flavor():
 
 
 def test_the_debug_models_train_on_meshes_as_on_one_device(tmp_path):
-    """XLA runtime, 10 steps of synthetic data, one process per device count for both families: Gemma
-    3 on fsdp=4 x tp=2 (the heads, the GeGLU and the sandwich norms' inputs split or gathered) and
+    """XLA runtime, blockwise attention, 10 steps of synthetic data, one process per device count for
+    both families: Gemma 3 on fsdp=4 x tp=2 (the heads, the GeGLU and the sandwich norms' inputs split or gathered) and
     gpt-oss on ep=2 x fsdp=2 x tp=2 (the experts and their biases split over ep, the sinks and the
     biases over tp) give one device's losses."""
-    def job(name, model, *flags):
-        attention = "sdpa" if model == "gpt_oss" else "blockwise"  # (the kernel of sinks; a window)
-        return tiny_args(tmp_path / name, "--model.name", model, "--model.attention", attention, "--training.dataset", "synthetic",
+    def job(name, model, *flags):  # (the debug recipe's blockwise attention: the windows, the sinks)
+        return tiny_args(tmp_path / name, "--model.name", model, "--training.dataset", "synthetic",
                          "--training.steps", "10", "--training.global_batch_size", "8", "--optimizer.lr", "3e-3",
                          *flags)
 
@@ -273,3 +287,18 @@ def test_the_debug_models_train_on_meshes_as_on_one_device(tmp_path):
         assert len(losses) == 10 and losses.keys() == on_mesh.keys()
         for step, loss in losses.items():
             assert on_mesh[step] == pytest.approx(loss, rel=1e-6), (model, step)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model.attention", "flash"], "command line: --model.attention = 'flash': the kernel has no attention "
+     "sinks, and gpt_oss debugmodel adds one logit per head to each softmax; use sdpa or blockwise"),
+    (["--moe.grouped_mm"], "command line: --moe.grouped_mm = true cannot be combined with [model] flavor = "
+     "gpt_oss debugmodel: its experts' biases and clamped SwiGLU are not in the kernel"),
+], ids=["flash", "grouped_mm"])
+def test_what_cannot_take_gpt_oss_is_one_line(flags, message):
+    from torchtitan_xla.config import parse_args
+    from torchtitan_xla.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model.name", "gpt_oss", *flags])
+    assert str(e.value) == message

@@ -205,7 +205,8 @@ def test_a_models_local_layers_are_its_windowed_ones_and_the_kv_cache_keeps_to_t
     """`sliding_window_pattern` p: every p-th block global, the rest local (Gemma 3: 6, gpt-oss: 2).
     Greedy decoding through the KV cache gives the logits of the whole sequence at once, with the
     window's mask on the local layers (a prompt longer than the window)."""
-    from torchtitan_xla.generate.cache import KVCache
+    from helpers import decode_through_cache
+
     from torchtitan_xla.models.llama import ModelArgs, Transformer
 
     args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=24,
@@ -220,14 +221,7 @@ def test_a_models_local_layers_are_its_windowed_ones_and_the_kv_cache_keeps_to_t
     plain = Transformer(dataclasses.replace(args, sliding_window=0)).double()
     plain.load_state_dict(model.state_dict())
     assert not torch.allclose(plain(tokens), whole)  # the window changes the logits beyond 5 tokens
-    cache = KVCache(4, 2, 24, "cpu")
-    documents = torch.ones(2, 20, dtype=torch.long)
-    cache.write(torch.arange(12), torch.arange(12).expand(2, 12), documents[:, :12])
-    steps = [model(tokens[:, :12], torch.arange(12).expand(2, 12), documents[:, :12], cache=cache)]
-    for t in range(12, 20):
-        cache.write(torch.tensor([t]), torch.tensor([[t], [t]]), documents[:, t:t + 1])
-        steps.append(model(tokens[:, t:t + 1], torch.tensor([[t], [t]]), documents[:, t:t + 1], cache=cache))
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(decode_through_cache(model, tokens, 12), whole, rtol=0, atol=1e-12)
 
 
 _BLOCKWISE_PROBE = """

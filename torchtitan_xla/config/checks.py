@@ -158,10 +158,10 @@ def _check_attention(cfg: JobConfig, args, sources) -> None:
                           f"and splash kernels take values as wide as the queries and keys, and the latent "
                           f"attention of {cfg.model.name} {cfg.model.flavor} has {args.v_dim} against "
                           f"{args.qk_head_dim} features per head; use sdpa or blockwise")
-    if args.attn_sinks and cfg.model.attention != "sdpa":
+    if args.attn_sinks and cfg.model.attention in ("flash", "splash"):
         raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r}: the "
                           f"kernel has no attention sinks, and {cfg.model.name} {cfg.model.flavor} adds one "
-                          f"logit per head to each softmax; use sdpa")
+                          f"logit per head to each softmax; use sdpa or blockwise")
     if args.sliding_window and cfg.model.attention == "flash" and cfg.runtime.backend == "xla":
         raise ConfigError(f"{sources.describe('model', 'attention')} = 'flash': torch_xla's Pallas flash "
                           f"kernel has no sliding window, and {cfg.model.name} {cfg.model.flavor} attends "

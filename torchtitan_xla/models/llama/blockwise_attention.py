@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan_xla.models.llama.layers import attention_mask, repeat_kv
+from torchtitan_xla.models.llama.layers import attention_mask, repeat_kv, softmax_with_sink, upcast
 
 
 def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:
@@ -71,7 +71,8 @@ class BlockwiseCausalAttention(nn.Module):
     documents, given `document_ids`); replaces a block's `attention.sdpa`
     (attention_kernels.apply_attention_kernel). With a sliding `window`, each query block reads
     only the keys from its first query's window on, in blocks half a window long at most: the
-    keys wholly outside the window are never multiplied."""
+    keys wholly outside the window are never multiplied. `sinks` [heads] (gpt-oss): one more logit
+    per head in each softmax's denominator."""
 
     def __init__(self, blocks: int = 4, window: int = 0):
         super().__init__()
@@ -79,7 +80,7 @@ class BlockwiseCausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # Keys are skipped by index: the positions are those of a sequence in index order (the
         # config refuses this kernel with context parallelism, which reorders), so unused.
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
@@ -98,5 +99,7 @@ class BlockwiseCausalAttention(nn.Module):
             mask = attention_mask(torch.arange(start, end, device=q.device),
                                   torch.arange(first, end, device=q.device), document_ids, window)
             scores = scores.masked_fill(~mask, float("-inf"))  # never a whole row: a query sees itself
-            outs.append(_ProbsTimesValues.apply(torch.softmax(scores, dim=-1), v[..., first:end, :]))
+            probs = (torch.softmax(scores, dim=-1) if sinks is None  # (float32 under autocast, as this)
+                     else softmax_with_sink(upcast(scores), upcast(sinks)[:, None, None]))
+            outs.append(_ProbsTimesValues.apply(probs, v[..., first:end, :]))
         return torch.cat(outs, dim=-2)

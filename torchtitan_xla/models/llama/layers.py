@@ -215,14 +215,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = upcast(torch.einsum("bgrqd,bgkd->bgrqk", q, k) * d ** -0.5).masked_fill(~mask, float("-inf"))
     if sinks is None:
         probs = scores.softmax(-1).type_as(v)
-    else:  # the sink's exp(logit) added to the sum: a softmax over the keys and the sink, the sink dropped
+    else:
         sink = upcast(sinks).view(k.shape[1], -1)[:, :, None, None]  # [kv heads, heads per kv head, 1, 1]
-        sink = sink[:, None] if heads_outer else sink[None]
-        top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # a row masked whole has the sink
-        e = (scores - top).exp()
-        probs = (e / (e.sum(-1, keepdim=True) + (sink - top).exp())).type_as(v)
+        probs = softmax_with_sink(scores, sink[:, None] if heads_outer else sink[None]).type_as(v)
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs, v)
     return (out.transpose(0, 1) if heads_outer else out).reshape(b, h, s, v.shape[-1])
+
+
+def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of `scores` and one more logit, `sink` (broadcast to
+    [..., 1]), which is then dropped: gpt-oss's attention sinks (the rows sum to less than 1)."""
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # a row masked whole has the sink
+    e = (scores - top).exp()
+    return e / (e.sum(-1, keepdim=True) + (sink - top).exp())
 
 
 GATES = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
