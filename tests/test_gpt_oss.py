@@ -38,7 +38,7 @@ def float64_gpt_oss(monkeypatch):
 
 
 def _models(seed: int = 0):
-    """The debug flavor (4 blocks, the even ones local with an 8-token window; 8 experts, top-4; YaRN
+    """The debug flavor (4 blocks, the even ones local with an 8-token window; 8 experts of 192, top-4; YaRN
     factor 4 untruncated) in float64 with every bias, sink and norm random, and transformers' model of
     its exported config and weights (eager attention and experts: float64 throughout). The RoPE
     tables: ours equal transformers' to float32 rounding (which computes them in float32), then
@@ -167,7 +167,7 @@ def test_the_hf_names_round_trip_bit_exactly():
                                 "mlp.experts.down_proj", "mlp.experts.down_proj_bias")} <= set(hf)
     # transformers' layout: [E, dim, 2 x hidden], gate and up interleaved along the last dimension.
     gate_up = hf[layer + "mlp.experts.gate_up_proj"]
-    assert gate_up.shape == (8, 256, 2 * 256)
+    assert gate_up.shape == (8, 256, 2 * 192)
     assert torch.equal(gate_up[..., 1::2], ours["layers.0.feed_forward.w3"].transpose(1, 2))
     back = from_hf(hf, args)
     assert back.keys() == ours.keys() and all(torch.equal(back[k], v) for k, v in ours.items())
@@ -225,15 +225,20 @@ def test_flavors_have_transformers_and_the_model_cards_parameter_counts(flavor, 
     assert ours.num_params() - inactive_expert_params(ours) - 201088 * args.dim == active
 
 
-@pytest.mark.parametrize("key, value", [("swiglu_limit", 10.0), ("layer_types", ["full_attention", "sliding_attention"]),
-                                        ("quantization_config", {"quant_method": "fp8"})])
-def test_a_config_with_what_the_model_does_not_compute_is_one_line(key, value):
+@pytest.mark.parametrize("key, value, expected", [
+    ("swiglu_limit", 10.0, "only 7.0"),
+    ("layer_types", ["full_attention", "sliding_attention"], "only every p-th block full_attention, the others "
+     "sliding_attention"),
+    ("quantization_config", {"quant_method": "fp8"}, "only unquantized or mxfp4"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 32.0, "mscale": 0.7}, "only YaRN without mscale, "
+     "mscale_all_dim or attention_factor")])
+def test_a_config_with_what_the_model_does_not_compute_is_one_line(key, value, expected):
     from torchtitan_xla.errors import ConfigError
     from torchtitan_xla.models.llama.hf_args import model_args_from_hf_config
 
     with pytest.raises(ConfigError) as e:
         model_args_from_hf_config({"model_type": "gpt_oss", "num_hidden_layers": 2, key: value})
-    assert str(e.value) == f"config.json: gpt-oss with this {key} ({value!r}) is not supported"
+    assert str(e.value) == f"config.json: gpt-oss with this {key} ({value!r}) is not supported ({expected})"
 
 
 def test_the_published_config_reads_as_the_20b_flavor():
@@ -292,8 +297,8 @@ def test_the_debug_models_train_on_meshes_as_on_one_device(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--model.attention", "flash"], "command line: --model.attention = 'flash': the kernel has no attention "
      "sinks, and gpt_oss debugmodel adds one logit per head to each softmax; use sdpa or blockwise"),
-    (["--moe.grouped_mm"], "command line: --moe.grouped_mm = true cannot be combined with [model] flavor = "
-     "gpt_oss debugmodel: its experts' biases and clamped SwiGLU are not in the kernel"),
+    (["--moe.grouped_mm"], "command line: --moe.grouped_mm = true: the sorted experts compute SwiGLU without "
+     "biases, and gpt_oss debugmodel's experts have biases and the swiglu_clamp gate; leave it off"),
 ], ids=["flash", "grouped_mm"])
 def test_what_cannot_take_gpt_oss_is_one_line(flags, message):
     from torchtitan_xla.config import parse_args

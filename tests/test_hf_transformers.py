@@ -268,7 +268,7 @@ FFN_SIZES = {
     ("deepseek_v2", "debugmodel"): 768, ("deepseek_v2", "16B"): 10944, ("deepseek_v2", "236B"): 12288,
     ("deepseek_v3", "debugmodel"): 768, ("deepseek_v3", "16B"): 11264, ("deepseek_v3", "671B"): 18432,
     ("gemma3", "debugmodel"): 768, ("gemma3", "1B"): 6912, ("gemma3", "4B"): 10240, ("gemma3", "12B"): 15360,
-    ("gemma3", "27B"): 21504, ("gpt_oss", "debugmodel"): 256, ("gpt_oss", "20B"): 2880, ("gpt_oss", "120B"): 2880,
+    ("gemma3", "27B"): 21504, ("gpt_oss", "debugmodel"): 192, ("gpt_oss", "20B"): 2880, ("gpt_oss", "120B"): 2880,
 }
 
 

@@ -115,6 +115,22 @@ def test_muon_equals_torch_optim_muon_and_adamw_for_the_rest(monkeypatch, adjust
     _assert_same(ours, _train(ref_model, refs, _gradients(ref_model)))
 
 
+def test_muon_takes_the_linear_weights_not_biases_nor_stacked_experts():
+    """gpt-oss's debug model: Muon's group is every block's linear weights (the attention's four and
+    the router); its biases, sinks and the experts' [E, ...] weights and [E, dim] biases go to AdamW."""
+    from torchtitan_xla.models import get_model_args
+    from torchtitan_xla.models.llama import Transformer
+    from torchtitan_xla.optimizer.muon import muon_param_groups
+
+    with torch.device("meta"):
+        model = Transformer(get_model_args("gpt_oss", "debugmodel", vocab_size=64, n_layers=1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, adamw = ({names[id(p)].removeprefix("layers.0.") for p in g["params"]} for g in muon_param_groups(model))
+    assert muon == {"attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
+                    "feed_forward.router.weight"}
+    assert {"feed_forward.b1", "feed_forward.b2", "feed_forward.w1", "attention.wq.bias"} <= adamw
+
+
 def test_newton_schulz_matches_torch_in_bfloat16_and_float32_matches_float64():
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
 

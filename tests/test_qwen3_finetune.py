@@ -108,7 +108,7 @@ def test_the_mismatch_names_the_flavor_the_folder_holds(family, flavor, run, tmp
       "intermediate_size": 128, "rms_norm_eps": 1e-5, "vocab_size": 300, "sliding_window": 4096},
      "sliding-window attention (sliding_window) is not supported"),
     ({"model_type": "bert", "num_attention_heads": 4},
-     "model_type 'bert' is not supported: not a Llama, Mixtral, Qwen3 or DeepSeek config"),
+     "model_type 'bert' is not supported: not a Llama, Mixtral, Qwen3, DeepSeek, Gemma 3 or gpt-oss config"),
     ("{not json", "not JSON ("),
 ])
 def test_an_unusable_config_json_is_one_line_naming_the_file(config, message, tmp_path):

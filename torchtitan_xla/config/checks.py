@@ -347,12 +347,14 @@ def _check_moe(cfg: JobConfig, args, sources) -> None:
                           f"to export to (a qwen3 model has: Qwen3-MoE); keep the DCP checkpoints instead")
     if m.grouped_mm:
         p = cfg.parallelism
+        if args.moe_bias or args.ffn_act != "silu":
+            has = f"{'biases and ' if args.moe_bias else ''}the {args.ffn_act} gate"
+            raise ConfigError(f"{sources.describe('moe', 'grouped_mm')} = true: the sorted experts compute "
+                              f"SwiGLU without biases, and {model}'s experts have {has}; leave it off")
         clash = ([("moe", "capacity_factor", f"{m.capacity_factor:g}", "sorted experts are dropless")]
                  if m.capacity_factor else []) + [
             ("parallelism", k, str(getattr(p, k)), "not supported with it yet")
-            for k in ("expert_parallel_degree", "tensor_parallel_degree") if getattr(p, k) > 1] + (
-            [("model", "flavor", model, "its experts' biases and clamped SwiGLU are not in the kernel")]
-            if args.moe_bias or args.ffn_act != "silu" else [])
+            for k in ("expert_parallel_degree", "tensor_parallel_degree") if getattr(p, k) > 1]
         if clash:
             section, key, value, why = clash[0]
             raise ConfigError(f"{sources.describe('moe', 'grouped_mm')} = true cannot be combined with "

@@ -23,13 +23,14 @@ NS_EPS = 1e-7
 
 
 def muon_param_groups(model: torch.nn.Module) -> list[dict]:
-    """[Muon's group: the trainable 2-D weights inside `layers`, AdamW's group: the other
-    trainable parameters]."""
+    """[Muon's group: the trainable 2-D weights inside `layers` (linear layers', not gpt-oss's
+    expert biases [E, dim]), AdamW's group: the other trainable parameters]."""
     matrices, others = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (matrices if name.startswith("layers.") and p.dim() == 2 else others).append(p)
+        matrix = name.startswith("layers.") and name.endswith(".weight") and p.dim() == 2
+        (matrices if matrix else others).append(p)
     return [{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}]
 
 

@@ -367,25 +367,26 @@ gemma3_configs = {  # dim, layers, heads, kv heads, FFN size
 # every block (32 / 128 of 2880, top-4 by the softmax of the chosen logits, which the renormalised
 # softmax router equals) with biases and the clamped SwiGLU. The numbers of the checkpoints'
 # config.json (router_aux_loss_coef 0.9); vocabulary from the tokenizer (201,088 rows). The debug
-# model: 4 blocks, an 8-token window, 8 experts, a small YaRN, every option on.
-def _gpt_oss(dim: int, n_layers: int, experts: int, *, heads: int = 64, kv_heads: int = 8,
+# model: 4 blocks, an 8-token window, 8 experts narrower than dim (a transposed layout fails
+# loudly), a small YaRN, every option on.
+def _gpt_oss(dim: int, n_layers: int, experts: int, hidden: int, *, heads: int = 64, kv_heads: int = 8,
              head_dim: int = 64, window: int = 128, context: int = 131072,
              yarn: Yarn | None = None) -> ModelArgs:
     return ModelArgs(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv_heads,
-                     head_dim_override=head_dim, ffn_dim=dim, num_experts=experts, top_k=4,
-                     moe_hidden_dim=dim, ffn_act="swiglu_clamp", attn_bias=True, attn_sinks=True,
+                     head_dim_override=head_dim, ffn_dim=hidden, num_experts=experts, top_k=4,
+                     moe_hidden_dim=hidden, ffn_act="swiglu_clamp", attn_bias=True, attn_sinks=True,
                      moe_bias=True, sliding_window=window, sliding_window_pattern=2, rope_theta=150000.0,
                      max_seq_len=context, aux_loss_weight=0.9,
                      yarn=yarn or Yarn(factor=32.0, original_max_position_embeddings=4096, mscale_all_dim=0.0,
                                        truncate=False))
 
 
-gpt_oss_configs = {  # dim, layers, experts
-    "debugmodel": _gpt_oss(256, 4, 8, heads=8, kv_heads=2, head_dim=32, window=8, context=2048,
+gpt_oss_configs = {  # dim, layers, experts, their hidden size
+    "debugmodel": _gpt_oss(256, 4, 8, 192, heads=8, kv_heads=2, head_dim=32, window=8, context=2048,
                            yarn=Yarn(factor=4.0, original_max_position_embeddings=512, mscale_all_dim=0.0,
                                      truncate=False)),
-    "20B": _gpt_oss(2880, 24, 32),
-    "120B": _gpt_oss(2880, 36, 128),
+    "20B": _gpt_oss(2880, 24, 32, 2880),
+    "120B": _gpt_oss(2880, 36, 128, 2880),
 }
 
 

@@ -116,7 +116,7 @@ def model_args_from_hf_config(cfg: dict) -> ModelArgs:
     model_type = cfg.get("model_type", "llama")  # hand-written Llama configs may leave it out
     if model_type not in _DEFAULTS:
         raise ConfigError(f"config.json: model_type {model_type!r} is not supported: not a Llama, Mixtral, "
-                          f"Qwen3 or DeepSeek config ({', '.join(_DEFAULTS)})")
+                          f"Qwen3, DeepSeek, Gemma 3 or gpt-oss config ({', '.join(_DEFAULTS)})")
     if model_type.startswith("gemma3"):
         return _gemma3_args(cfg.get("text_config") or {} if model_type == "gemma3" else cfg)
     if model_type == "gpt_oss":
@@ -220,21 +220,24 @@ def _gpt_oss_args(cfg: dict) -> ModelArgs:
     published MXFP4 expert weights are dequantized on reading (state_dict_adapter.py)."""
     get = _getter(cfg, "gpt_oss")
     layers = get("num_hidden_layers")
-    unsupported = [k for k, ok in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)) if get(k) != ok]
+    unsupported = [(k, get(k), f"only {ok}") for k, ok in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0))
+                   if get(k) != ok]
     every = _global_every(cfg, layers, 2)
     if every is None:
-        unsupported.append("layer_types")
+        unsupported.append(("layer_types", cfg["layer_types"], "only every p-th block full_attention, the "
+                            "others sliding_attention"))
     quantization = cfg.get("quantization_config") or {}
     if quantization and quantization.get("quant_method") != "mxfp4":
-        unsupported.append("quantization_config")
+        unsupported.append(("quantization_config", quantization, "only unquantized or mxfp4"))
     kind, scaling, theta = _rope(cfg, "gpt_oss", ("default", "yarn"))
     if cfg.get("rope_scaling") is None and cfg.get("rope_parameters") is None:  # GptOssConfig's default
         kind, scaling = "yarn", {"factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False}
     if any(scaling.get(k) for k in ("mscale", "mscale_all_dim", "attention_factor")):
-        unsupported.append("rope_parameters")
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        unsupported.append((key, scaling, "only YaRN without mscale, mscale_all_dim or attention_factor"))
     if unsupported:
-        key = unsupported[0]
-        raise ConfigError(f"config.json: gpt-oss with this {key} ({cfg.get(key)!r}) is not supported")
+        key, value, expected = unsupported[0]
+        raise ConfigError(f"config.json: gpt-oss with this {key} ({value!r}) is not supported ({expected})")
     yarn = None
     if kind == "yarn":  # cos and sin scaled by 0.1 ln(factor) + 1: mscale(1) over mscale(0)
         yarn = Yarn(factor=scaling["factor"], original_max_position_embeddings=scaling.get(

@@ -178,7 +178,6 @@ def _gpt_oss_config(args: ModelArgs, bos_id: int | None, eos_id: int | None, dty
                and args.norm_topk and args.routed_scaling == 1.0 and not args.shared_experts
                and not (args.qk_norm or args.sandwich_norm or args.norm_offset or args.embed_scale)
                and args.rope_scaling is None and args.query_pre_attn_scalar is None
-               and args.expert_hidden_dim == args.ffn_hidden_dim
                and (yarn is None or (yarn.mscale, yarn.mscale_all_dim) == (1.0, 0.0)))
     if not gpt_oss:
         raise ValueError("a model with attention sinks or biased experts exports to HuggingFace as gpt-oss "

@@ -225,7 +225,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension of `scores` and one more logit, `sink` (broadcast to
     [..., 1]), which is then dropped: gpt-oss's attention sinks (the rows sum to less than 1)."""
-    top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # a row masked whole has the sink
+    # Any shift gives the same values; detached, autograd does no work for it. A row masked whole
+    # is shifted by the sink.
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink).detach()
     e = (scores - top).exp()
     return e / (e.sum(-1, keepdim=True) + (sink - top).exp())
 

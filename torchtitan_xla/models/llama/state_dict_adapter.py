@@ -129,19 +129,25 @@ def _gpt_oss_experts_to_hf(layer: str, ours: dict[str, torch.Tensor]) -> dict[st
 
 
 def _gpt_oss_experts_from_hf(ours: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"model.{ours.removesuffix('.feed_forward')}.{name} is missing (a gpt-oss block's "
+                           f"experts: {name}, or its MXFP4 {name}_blocks and _scales)")
+        return tensors.pop(name)
+
     for kind in ("gate_up_proj", "down_proj"):  # the published files: MXFP4
         if f"mlp.experts.{kind}_blocks" in tensors:
-            tensors[f"mlp.experts.{kind}"] = dequantize_mxfp4(
-                tensors.pop(f"mlp.experts.{kind}_blocks"), tensors.pop(f"mlp.experts.{kind}_scales")
-            ).transpose(1, 2)
-    gate_up = tensors.pop("mlp.experts.gate_up_proj").transpose(1, 2)  # [E, 2 x hidden, dim]
-    bias = tensors.pop("mlp.experts.gate_up_proj_bias")
+            blocks = tensors.pop(f"mlp.experts.{kind}_blocks")
+            tensors[f"mlp.experts.{kind}"] = dequantize_mxfp4(blocks, take(f"mlp.experts.{kind}_scales"))
+            tensors[f"mlp.experts.{kind}"] = tensors[f"mlp.experts.{kind}"].transpose(1, 2)
+    gate_up = take("mlp.experts.gate_up_proj").transpose(1, 2)  # [E, 2 x hidden, dim]
+    bias = take("mlp.experts.gate_up_proj_bias")
     return {f"{ours}.w1": gate_up[:, 0::2].contiguous(), f"{ours}.w3": gate_up[:, 1::2].contiguous(),
             f"{ours}.b1": bias[:, 0::2].contiguous(), f"{ours}.b3": bias[:, 1::2].contiguous(),
-            f"{ours}.w2": tensors.pop("mlp.experts.down_proj").transpose(1, 2).contiguous(),
-            f"{ours}.b2": tensors.pop("mlp.experts.down_proj_bias"),
-            f"{ours}.router.weight": tensors.pop("mlp.router.weight"),
-            f"{ours}.router.bias": tensors.pop("mlp.router.bias")}
+            f"{ours}.w2": take("mlp.experts.down_proj").transpose(1, 2).contiguous(),
+            f"{ours}.b2": take("mlp.experts.down_proj_bias"),
+            f"{ours}.router.weight": take("mlp.router.weight"),
+            f"{ours}.router.bias": take("mlp.router.bias")}
 
 
 # OCP Microscaling FP4 (E2M1): the 16 values of a nibble, its top bit the sign.
@@ -154,9 +160,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfl
     2^(scale - 127)) -> [..., out, groups x 32] in `dtype` (bfloat16 holds every value exactly). The
     format is the OCP MX specification's; transformers' mxfp4 integration reads it alike."""
     table = torch.tensor(_FP4_E2M1, dtype=torch.float32)
-    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], -1).flatten(-2)
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).to(dtype)
+
+    def one(b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        values = torch.stack([table[(b & 0x0F).int()], table[(b >> 4).int()]], -1).flatten(-2)
+        return torch.ldexp(values, s.to(torch.int32)[..., None] - 127).flatten(-2).to(dtype)
+
+    # An expert at a time: the float32 intermediates of a whole block's experts would be 8 times
+    # the result's bytes (transformers chunks its conversion too).
+    if blocks.dim() < 4:
+        return one(blocks, scales)
+    return torch.stack([one(b, s) for b, s in zip(blocks, scales)])
 
 
 def _moe_to_hf(layer: str, name: str, t: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
