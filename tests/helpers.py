@@ -336,3 +336,19 @@ def decode_through_cache(model, tokens, prompt: int):
         cache.write(torch.arange(start, end), positions, documents[:, start:end])
         steps.append(model(tokens[:, start:end], positions, documents[:, start:end], cache=cache))
     return torch.cat(steps, dim=1)
+
+
+def assert_packed_row_is_each_documents_own(model, hf, lengths: list[int], vocab: int, atol: float) -> None:
+    """One row of documents of `lengths` tokens packed (positions restarting at each): each
+    document's logits from `model` are transformers' `hf` on that document alone."""
+    import torch
+
+    tokens = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    documents = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = model(tokens, positions, documents)
+    start = 0
+    for n in lengths:
+        expected = hf(tokens[:, start:start + n]).logits
+        torch.testing.assert_close(packed[:, start:start + n], expected, rtol=0, atol=atol)
+        start += n

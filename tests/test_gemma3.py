@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from helpers import assert_packed_row_is_each_documents_own
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import Transformer
@@ -78,12 +79,7 @@ def test_a_packed_batch_gives_each_documents_own_logits(float64_gemma):
     """A row of two documents (22 and 30 tokens: both longer than the window), positions restarting
     at the second: each document's logits are transformers' on that document alone."""
     _, model, hf = _models()
-    tokens = torch.randint(0, 128, (1, 52), generator=torch.Generator().manual_seed(2))
-    documents = torch.tensor([[1] * 22 + [2] * 30])
-    positions = torch.cat([torch.arange(22), torch.arange(30)])[None]
-    packed = model(tokens, positions, documents)
-    for start, end in ((0, 22), (22, 52)):
-        torch.testing.assert_close(packed[:, start:end], hf(tokens[:, start:end]).logits, rtol=0, atol=1e-12)
+    assert_packed_row_is_each_documents_own(model, hf, [22, 30], 128, atol=1e-12)
 
 
 def test_a_transformers_folder_imports_with_its_architecture_and_logits(float64_gemma, tmp_path):

@@ -13,7 +13,13 @@ import math
 
 import pytest
 import torch
-from helpers import decode_through_cache, rmsnorm_in_input_dtype, tiny_args, train_many
+from helpers import (
+    assert_packed_row_is_each_documents_own,
+    decode_through_cache,
+    rmsnorm_in_input_dtype,
+    tiny_args,
+    train_many,
+)
 
 from torchtitan_xla.models import get_model_args
 from torchtitan_xla.models.llama import Transformer
@@ -89,12 +95,7 @@ def test_a_packed_batch_gives_each_documents_own_logits(float64_gpt_oss):
     """A row of two documents (13 and 17 tokens, both longer than the window), positions restarting
     at the second: each document's logits are transformers' on that document alone."""
     _, model, hf = _models()
-    tokens = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(2))
-    documents = torch.tensor([[1] * 13 + [2] * 17])
-    positions = torch.cat([torch.arange(13), torch.arange(17)])[None]
-    packed = model(tokens, positions, documents)
-    for start, end in ((0, 13), (13, 30)):
-        torch.testing.assert_close(packed[:, start:end], hf(tokens[:, start:end]).logits, rtol=0, atol=1e-12)
+    assert_packed_row_is_each_documents_own(model, hf, [13, 17], 128, atol=1e-12)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
