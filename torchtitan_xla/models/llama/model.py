@@ -50,7 +50,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         self.window = args.window(layer_id)  # 0: global
         self.sdpa = ScaledDotProductAttention(self.window)
-        # gpt-oss: each head's sink logit (only the einsum kernel and the KV cache's take it).
+        # gpt-oss: each head's sink logit (the einsum and blockwise kernels and the KV cache take it;
+        # config/checks.py refuses the Pallas ones).
         self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.attn_sinks else None
         # Gemma 3: RoPE tables of two bases, this block's half; scores scaled by
         # query_pre_attn_scalar^-0.5, as the queries times sqrt(head_dim / it) under the kernels'
