@@ -29,6 +29,7 @@ COMMON = ["--model.attention", "sdpa", "--training.global_batch_size", str(GLOBA
 CIRCULAR = [P + "pipeline_schedule", "circular"]
 CHAT = ["--training.dataset", "python_docs_chat"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+BLOCKWISE = ["--model.attention", "blockwise"]  # (the one-device references run sdpa)
 
 
 def mesh(pp: int, tp: int = 1, micro: int | None = None, *extra: str) -> list[str]:
@@ -46,10 +47,10 @@ MESHES = {
     "pp2_fsdp4_circular_m4": (mesh(2, 1, 4, *CIRCULAR), (2, 1, 4, 1, 1, 1), 2, 4, 2),
     "pp4_fsdp2_m8": (mesh(4, 1, 8), (4, 1, 2, 1, 1, 1), 4, 8, 1),
     # (on packed conversations, whose positions and document ids travel with the activations, round
-    # the circular schedule's wrap; with full activation checkpointing)
-    "pp4_fsdp2_circular_chat_full_ac": (mesh(4, 1, 4, *CIRCULAR, *CHAT, "--activation_checkpoint.mode", "full"),
-                                        (4, 1, 2, 1, 1, 1), 4, 4, 2),
-    "pp2_fsdp2_tp2_m4": (mesh(2, 2, 4), (2, 1, 2, 1, 1, 2), 2, 4, 1),
+    # the circular schedule's wrap; with full activation checkpointing; blockwise attention, vmapped)
+    "pp4_fsdp2_circular_chat_full_ac_blockwise": (
+        mesh(4, 1, 4, *CIRCULAR, *CHAT, "--activation_checkpoint.mode", "full", *BLOCKWISE), (4, 1, 2, 1, 1, 1), 4, 4, 2),
+    "pp2_fsdp2_tp2_m4_blockwise": (mesh(2, 2, 4, *BLOCKWISE), (2, 1, 2, 1, 1, 2), 2, 4, 1),
     # (with gradient accumulation: 2 steps of 8 sequences)
     "pp2_fsdp2_tp2_circular_accumulated": ([*mesh(2, 2, 2, *CIRCULAR), "--training.local_batch_size", "4"],
                                            (2, 1, 2, 1, 1, 2), 2, 2, 2),
@@ -106,8 +107,8 @@ def resumed(eight_devices):
 @pytest.mark.parametrize("name", MESHES)
 def test_every_mesh_and_schedule_gives_one_devices_losses(name, one_device, eight_devices):
     """Each mesh, GPipe and circular (2 rounds), M = S and 2S, with full activation checkpointing,
-    gradient accumulation and packed conversations: one device's losses on the same 16 sequences,
-    step by step, and no compile after the first step."""
+    gradient accumulation and packed conversations, sdpa and blockwise attention: one device's
+    (sdpa) losses on the same 16 sequences, step by step, and no compile after the first step."""
     reference = one_device[1]["chat" if "chat" in name else "one"]["losses"]
     run = eight_devices[1][name]
     assert set(run["losses"]) == {1, 2, 3, 4, 5}
@@ -167,7 +168,8 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in re.findall(r"\[([0-9,]*)\]", shape)[0].split(",") if d]
 
 
-@pytest.mark.parametrize("name", ["pp2_fsdp4", "pp2_fsdp4_circular_m4", "pp4_fsdp2_m8", "pp2_fsdp2_tp2_m4"])
+@pytest.mark.parametrize("name", ["pp2_fsdp4", "pp2_fsdp4_circular_m4", "pp4_fsdp2_m8",
+                                  "pp2_fsdp2_tp2_m4_blockwise"])
 def test_the_step_permutes_activations_over_pp_and_gathers_no_stage_weight(name, eight_devices):
     """The compiled step's optimized HLO, per device: the activations move one stage on at every
     iteration but the first, forward and back (2 (M R + S - 1 - 1) collective permutes over the pp
@@ -254,9 +256,9 @@ def test_pp_is_the_slice_axis_with_pipeline_stages(monkeypatch):
       P + "pipeline_microbatches", "3"],
      "command line: --parallelism.pipeline_microbatches = 3 must be a multiple of pipeline_parallel_degree (2) "
      "in the circular schedule: microbatches go round the stages in groups of 2"),
-    ([*DEBUG, P + "pipeline_parallel_degree", "2"],
-     "train_configs/debug_model.toml: [model] attention = 'blockwise' cannot run with pipeline parallelism "
-     "(command line: --parallelism.pipeline_parallel_degree = 2): use sdpa"),
+    ([*DEBUG, P + "pipeline_parallel_degree", "2", "--model.attention", "flash"],
+     "command line: --model.attention = 'flash' cannot run with pipeline parallelism "
+     "(command line: --parallelism.pipeline_parallel_degree = 2): use sdpa or blockwise"),
     ([*SDPA, P + "pipeline_parallel_degree", "2", "--optimizer.name", "Muon"],
      "command line: --optimizer.name = 'Muon' cannot run with pipeline parallelism (command line: "
      "--parallelism.pipeline_parallel_degree = 2): its update reads each weight matrix whole, and a stage's "

@@ -191,10 +191,10 @@ def _check_pipeline_parallel(cfg: JobConfig, args, sources) -> None:
         raise ConfigError(f"{sources.describe('parallelism', 'pipeline_microbatches')} = {micro} must be "
                           f"a multiple of pipeline_parallel_degree ({stages}) in the circular schedule: "
                           f"microbatches go round the stages in groups of {stages}")
-    # The stage runs the block under torch.vmap: the kernels that are autograd Functions (blockwise,
-    # Pallas), a checkpoint inside the block and the MoE's per-block statistics have no batching rule.
+    # The stage runs the block under torch.vmap: the Pallas kernels, a checkpoint inside the block
+    # and the MoE's per-block statistics have no batching rule.
     clash = [(section, key, why) for section, key, on, why in (
-        ("model", "attention", cfg.model.attention != "sdpa", "use sdpa"),
+        ("model", "attention", cfg.model.attention in ("flash", "splash"), "use sdpa or blockwise"),
         ("moe", "num_experts", cfg.moe.num_experts or args.num_experts, "a mixture of experts is not "
          "supported in a pipeline stage yet"),
         ("compile", "scan_layers", cfg.compile.scan_layers, "the pipeline is its own loop over the layers"),
@@ -225,12 +225,10 @@ def _check_context_parallel(cfg: JobConfig, args, sources) -> None:
         raise ConfigError(f"{sources.describe('parallelism', 'context_parallel_degree')} = {cp}: context "
                           f"parallelism with a mixture of experts ({cfg.model.name} {cfg.model.flavor}) is "
                           f"not supported yet")
-    if cfg.model.attention != "sdpa":
-        # blockwise skips keys by index and the Pallas kernels mask by index: neither follows the
-        # positions of a split (and reordered) sequence.
+    if cfg.model.attention in ("flash", "splash"):  # (blockwise: parallelisms/chunk_pair_attention.py)
         raise ConfigError(f"{sources.describe('model', 'attention')} = {cfg.model.attention!r} cannot "
                           f"take context parallelism ({cp_key}): its causal mask is by index, not by "
-                          f"the positions of a split sequence; use sdpa")
+                          f"the positions of a split sequence; use sdpa or blockwise")
     # Each of these flattens [batch, seq] into one token dimension (LoRA's and float8's matmuls,
     # the chunked loss's rows), which XLA can only do by gathering the split sequence.
     clash = [(section, key, why) for section, key, on, why in (

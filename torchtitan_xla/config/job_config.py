@@ -56,7 +56,8 @@ class Model:
     attention: Literal["sdpa", "blockwise", "flash", "splash"] = opt(
         "sdpa", "Attention kernel: sdpa (the model's own einsums, compiled by XLA or torch.compile, "
         "any device); blockwise (causal attention in 4 query blocks that skip the masked keys, plain "
-        "ops: faster on the XLA CPU backend); flash (XLA runtime: torch_xla's Pallas kernel, TPU "
+        "ops: faster on the XLA CPU backend; with context parallelism, only each device's causal "
+        "chunk pairs); flash (XLA runtime: torch_xla's Pallas kernel, TPU "
         "only; native runtime: torch's fused scaled_dot_product_attention, any device); splash "
         "(torch_xla's Pallas kernel, TPU only). A kernel the device lacks falls back to sdpa with "
         "one warning.")

@@ -21,6 +21,7 @@ from torchtitan_xla.config import JobConfig
 from torchtitan_xla.config.run_sections import ActivationCheckpoint
 from torchtitan_xla.logging import logger
 from torchtitan_xla.parallelisms.activation_checkpoint import apply_ac
+from torchtitan_xla.parallelisms.chunk_pair_attention import apply_chunk_pair_attention
 from torchtitan_xla.parallelisms.compute_dtype import gather_in_compute_dtype
 from torchtitan_xla.parallelisms.context_parallel import einsum_linear, project_on_sequence_shards
 from torchtitan_xla.parallelisms.parallel_dims import BATCH_AXES, SHARD_AXES, ParallelDims
@@ -310,8 +311,10 @@ def parallelize_llama(model: nn.Module, mesh, parallel_dims: ParallelDims,
     if parallel_dims.ep > 1:
         apply_ep(model, mesh)
     ring = parallel_dims.cp > 1 and parallel_dims.cp_rotate == "ring"
-    if ring:
+    if ring:  # (whichever kernel [model] attention names: the ring is the attention over cp)
         apply_ring_attention(model, mesh, parallel_dims.cp)
+    elif parallel_dims.cp > 1 and job_config.model.attention == "blockwise":
+        apply_chunk_pair_attention(model, mesh, parallel_dims.cp, parallel_dims.cp_load_balance)
     if parallel_dims.world_size > 1:
         apply_activation_sharding(model, mesh, parallel_dims.seq_axis, ring, parallel_dims.pp > 1)
     apply_local_attention(model, mesh)

@@ -29,9 +29,9 @@ class RingAttention(nn.Module):
     """Causal attention over q, k, v [batch, heads, seq, head_dim] with the sequence split over the
     `cp` axis of `mesh` into `cp` chunks; replaces a block's `attention.sdpa`."""
 
-    def __init__(self, mesh, cp: int):
+    def __init__(self, mesh, cp: int, window: int = 0):
         super().__init__()
-        self.cp = cp
+        self.cp, self.window = cp, window
         # [batch, heads, chunk, chunk length, head_dim] with the chunks over cp (heads over tp).
         self.chunked = runtime.constraint(mesh, (BATCH_AXES, "tp", "cp", None, None))
         self.chunked_ids = runtime.constraint(mesh, (BATCH_AXES, "cp", None))  # [batch, chunk, length]
@@ -63,6 +63,8 @@ class RingAttention(nn.Module):
             scores = upcast(torch.einsum("bhcqd,bhckd->bhcqk", q, repeat_kv5(k, h)))
             seen = ((k_pos[:, None, :, None, :] <= q_pos[:, None, :, :, None])
                     & (k_doc[:, None, :, None, :] == q_doc[:, None, :, :, None]))
+            if self.window:
+                seen &= k_pos[:, None, :, None, :] > q_pos[:, None, :, :, None] - self.window
             scores = scores.masked_fill(~seen, _MASKED)
             new_top = torch.maximum(top, scores.amax(-1))
             keep = torch.exp(top - new_top)
@@ -104,9 +106,10 @@ def shift(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def apply_ring_attention(model: nn.Module, mesh, cp: int) -> None:
-    """Every block's attention module replaced by ring attention over `cp` (no parameters change)."""
+    """Every block's attention module replaced by ring attention over `cp` (no parameters change),
+    each block's window kept."""
     for block in model.layers.values():
-        block.attention.sdpa = RingAttention(mesh, cp)
+        block.attention.sdpa = RingAttention(mesh, cp, window=block.attention.sdpa.window)
 
 
 def repeat_kv5(x: torch.Tensor, heads: int) -> torch.Tensor:

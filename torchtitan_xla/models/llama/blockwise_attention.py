@@ -32,13 +32,18 @@ def _save_in_dtype(ctx, dtype: torch.dtype, *inputs: torch.Tensor) -> None:
 class _QueriesTimesKeys(torch.autograd.Function):
     """q @ k^T. Backward: dq = ds @ k written out, because from autograd's ds @ (k^T)^T XLA reads
     the k^T it laid out for the forward, a transposed operand for the contraction over keys
-    (slower: docs/performance.md); dk as autograd computes it, (q^T @ ds)^T: a [head_dim, keys] product."""
+    (slower: docs/performance.md); dk as autograd computes it, (q^T @ ds)^T: a [head_dim, keys] product.
+    (forward and setup_context apart, so that torch.vmap batches it: pipeline stages.)"""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        scores = q @ k.transpose(-1, -2)
-        _save_in_dtype(ctx, scores.dtype, q, k)
-        return scores
+    def forward(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q @ k.transpose(-1, -2)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        _save_in_dtype(ctx, output.dtype, *inputs)
 
     @staticmethod
     def backward(ctx, grad_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +58,15 @@ class _ProbsTimesValues(torch.autograd.Function):
     after, rather than autograd's probs^T @ grad_out, whose [keys, head_dim] output XLA CPU runs
     several times slower (docs/performance.md). The same sums."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = probs @ v
-        _save_in_dtype(ctx, out.dtype, probs, v)
-        return out
+    def forward(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return probs @ v
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        _save_in_dtype(ctx, output.dtype, *inputs)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
