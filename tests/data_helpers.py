@@ -54,9 +54,15 @@ QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def train_qwen_style_tokenizer(folder: Path, vocab_size: int = 800) -> Path:
+# gpt-oss's special tokens (o200k_harmony's, without its reserved ones).
+HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+           "<|end|>", "<|message|>", "<|call|>"]
+
+
+def train_qwen_style_tokenizer(folder: Path, vocab_size: int = 800, special: list[str] = CHATML) -> Path:
     """A byte-level BPE tokenizer.json trained on the embedded corpus as Qwen's is built: Qwen's
-    pattern, ChatML's special tokens after the merges, no BOS. Returns the folder holding it."""
+    pattern, ChatML's special tokens (or `special`, e.g. gpt-oss's, whose o200k is byte-level BPE
+    too), no BOS. Returns the folder holding it."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from torchtitan_xla.datasets import python_docs
@@ -66,7 +72,7 @@ def train_qwen_style_tokenizer(folder: Path, vocab_size: int = 800) -> Path:
         pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(python_docs.documents(), trainer)
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_helpers import train_gemma_style_tokenizer, train_qwen_style_tokenizer
+from data_helpers import HARMONY, train_gemma_style_tokenizer, train_qwen_style_tokenizer
 
 from torchtitan_xla.config import ConfigError
 from torchtitan_xla.datasets import python_docs
@@ -117,6 +117,47 @@ def test_gemma_rendering_equals_apply_chat_template_and_trains_only_the_answers(
         prompt = hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)["input_ids"]
         assert generation_prompt(messages[:-1], tok) == prompt
     assert hf.decode(prompt).endswith("<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_harmony_rendering_equals_apply_chat_template_and_trains_the_final_channel(tmp_path):
+    """gpt-oss's chat format on a byte-level tokenizer.json with its special tokens (found by
+    <|channel|>): the published format for a conversation with a system message (written out
+    here: the default system message with today's date, the system text as the developer's
+    instructions, content unstripped, the last answer closed by <|return|>); every embedded
+    conversation's ids = apply_chat_template's on the export, the trained ids each answer's
+    "<|channel|>final<|message|>", text and closing token, and the generation prompts equal."""
+    import time
+
+    import transformers
+
+    from torchtitan_xla.datasets.chat import end_of_turn_ids, generation_prompt
+
+    tok = build_tokenizer(str(train_qwen_style_tokenizer(tmp_path / "gpt_oss", special=HARMONY)))
+    assert (tok.chat_format, tok.bos_id, tok.eos_id) == ("harmony", -1, HARMONY.index("<|endoftext|>"))
+    assert end_of_turn_ids(tok) == [HARMONY.index("<|return|>")]
+    tok.save_pretrained(tmp_path / "out")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hello \n"},
+              {"role": "assistant", "content": "Hi."}]
+    today = time.strftime("%Y-%m-%d")
+    assert hf.apply_chat_template(system, tokenize=False) == (
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge "
+        f"cutoff: 2024-06\nCurrent date: {today}\n\nReasoning: medium\n\n# Valid channels: analysis, "
+        "commentary, final. Channel must be included for every message.<|end|><|start|>developer<|message|>"
+        "# Instructions\n\nBe brief.\n\n<|end|><|start|>user<|message|> Hello \n<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hi.<|return|>")
+    multi_turn = 0
+    for messages in [system, *conversations()]:
+        ids, trained = render(messages, tok)
+        assert hf.apply_chat_template(messages, tokenize=True)["input_ids"] == ids
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        ends = ["<|end|>"] * (len(answers) - 1) + ["<|return|>"]
+        picked = tok.decode([i for i, t in zip(ids, trained) if t])
+        assert picked == "".join(f"<|channel|>final<|message|>{a}{e}" for a, e in zip(answers, ends))
+        prompt = hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert generation_prompt(messages[:-1], tok) == prompt
+        multi_turn += len(answers) > 1
+    assert multi_turn and hf.decode(prompt).endswith("<|end|><|start|>assistant")
 
 
 def test_a_llama3_tokenizer_json_keeps_llama3s_ids_bos_and_chat_format(tmp_path):

@@ -23,12 +23,19 @@ Rendering (`render`) follows the reference code of the tokenizer's model family:
   ("model" for the assistant) "\\n" content.strip() <end_of_turn> "\\n", a system message's
   content and "\\n\\n" before the first user turn's content; each turn's text encoded whole, as
   the chat template's string is.
+- Harmony (gpt-oss; a tokenizer.json with <|channel|>), as gpt-oss's chat template renders text
+  turns: a system message <|start|>system<|message|>{HARMONY_SYSTEM}<|end|> (today's date in it,
+  as the template's strftime_now), the record's system message as the developer's
+  "# Instructions\n\n{system}\n\n", then <|start|>user<|message|>{content}<|end|> and
+  <|start|>assistant<|channel|>final<|message|>{content}<|end|>, the last assistant turn closed by
+  <|return|> instead (the token that ends generation); content as given, not stripped.
 - Llama 2 (sentencepiece): a system message is folded into the first user turn as
   "<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}"; each (user, assistant) pair is
   BOS + "[INST] {user} [/INST] {assistant} " + EOS.
 Only the assistant's tokens are trained: its content, and its closing <|eot_id|> (Llama 3),
-<|im_end|> (ChatML), <end_of_turn> (Gemma) or EOS (Llama 2), so the model learns to stop.
-Headers, BOS, system and user turns are context only.
+<|im_end|> (ChatML), <end_of_turn> (Gemma), <|end|> / <|return|> (Harmony, with the
+"<|channel|>final<|message|>" the model writes after the prompt's "<|start|>assistant") or EOS
+(Llama 2), so the model learns to stop. Headers, BOS, system and user turns are context only.
 
 Training rows (packing.ChatDataset): a conversation of n tokens gives n - 1 (input, label) pairs,
 label i = ids[i + 1], or -100 (ignored by the loss) where ids[i + 1] is not trained. Each row is
@@ -41,8 +48,10 @@ A conversation longer than seq_len is truncated to seq_len (a warning, logged on
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from torchtitan_xla.datasets.tokenizer.hf import HARMONY_SYSTEM
 from torchtitan_xla.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -116,12 +125,13 @@ def _check_turns(messages: list[Message], final: str) -> None:
 
 
 def chat_format(tokenizer: Tokenizer) -> str:
-    """"llama3", "llama2", "chatml" or "gemma": the chat format of the tokenizer's model family
-    (never guessed: a tokenizer.json without ChatML's, Llama 3's or Gemma's special tokens has none)."""
+    """"llama3", "llama2", "chatml", "gemma" or "harmony": the chat format of the tokenizer's model
+    family (never guessed: a tokenizer.json without one of their special tokens has none)."""
     if tokenizer.chat_format is None:
         raise ConfigError(f"[model] tokenizer_path: {getattr(tokenizer, 'path', '')} has none of ChatML's "
-                          f"<|im_start|>, Llama 3's <|start_header_id|> and Gemma's <start_of_turn> special "
-                          f"tokens: chat data needs one of the chat formats (datasets/chat.py)")
+                          f"<|im_start|>, Llama 3's <|start_header_id|>, Gemma's <start_of_turn> and "
+                          f"gpt-oss's <|channel|> special tokens: chat data needs one of the chat formats "
+                          f"(datasets/chat.py)")
     return tokenizer.chat_format
 
 
@@ -135,7 +145,7 @@ def render(messages: list[Message], tokenizer: Tokenizer) -> tuple[list[int], li
     """The conversation's token ids in the tokenizer's chat format, and for each id whether it is
     trained (the assistant's content and end-of-turn token)."""
     return {"llama3": _render_llama3, "chatml": _render_chatml, "gemma": _render_gemma,
-            "llama2": _render_llama2}[chat_format(tokenizer)](messages, tokenizer)
+            "harmony": _render_harmony, "llama2": _render_llama2}[chat_format(tokenizer)](messages, tokenizer)
 
 
 def _after_common_prefix(head: list[int], whole: list[int]) -> int:
@@ -160,6 +170,33 @@ def _render_gemma(messages: list[Message], tokenizer) -> tuple[list[int], list[b
         answer = m["role"] == "assistant"
         ids += [start, *turn, end, *newline]
         trained += [False] * (1 + common) + [answer] * (len(turn) - common + 1) + [False] * len(newline)
+    return ids, trained
+
+
+def _render_harmony(messages: list[Message], tokenizer) -> tuple[list[int], list[bool]]:
+    special = tokenizer.special_tokens
+
+    def text(t: str) -> list[int]:
+        return tokenizer.encode(t, bos=False, eos=False)
+
+    def message(role: str, content: str, end: str = "<|end|>") -> list[int]:
+        return [special["<|start|>"], *text(role), special["<|message|>"], *text(content), special[end]]
+
+    ids = message("system", HARMONY_SYSTEM.format(date=time.strftime("%Y-%m-%d")))
+    if messages[0]["role"] == "system":
+        ids += message("developer", f"# Instructions\n\n{messages[0]['content']}\n\n")
+        messages = messages[1:]
+    trained = [False] * len(ids)
+    last = len(messages) - 1  # closed by <|return|> when the assistant's (training, not a prompt)
+    for k, m in enumerate(messages):
+        if m["role"] == "user":
+            turn = message("user", m["content"])
+            ids, trained = ids + turn, trained + [False] * len(turn)
+            continue
+        head = [special["<|start|>"], *text("assistant")]
+        body = [special["<|channel|>"], *text("final"), special["<|message|>"], *text(m["content"]),
+                special["<|return|>" if k == last else "<|end|>"]]
+        ids, trained = ids + head + body, trained + [False] * len(head) + [True] * len(body)
     return ids, trained
 
 
@@ -223,7 +260,9 @@ def generation_prompt(messages: list[Message], tokenizer: Tokenizer) -> list[int
         question = f"{B_INST} {messages[-1]['content'].strip()} {E_INST}"
         return before + tokenizer.encode(question, bos=True, eos=False)
     special, role = tokenizer.special_tokens, tokenizer.encode("assistant", bos=False, eos=False)
-    if fmt == "gemma":
+    if fmt == "harmony":
+        header = [special["<|start|>"], *role]
+    elif fmt == "gemma":
         header = [special["<start_of_turn>"], *tokenizer.encode("model\n", bos=False, eos=False)]
     elif fmt == "llama3":
         header = [special["<|start_header_id|>"], *role, special["<|end_header_id|>"],
@@ -236,4 +275,4 @@ def generation_prompt(messages: list[Message], tokenizer: Tokenizer) -> list[int
 def end_of_turn_ids(tokenizer: Tokenizer) -> list[int]:
     """The ids that end an assistant's turn in the tokenizer's chat format, besides EOS."""
     special = getattr(tokenizer, "special_tokens", None) or {}
-    return [special[t] for t in ("<|eot_id|>", "<|im_end|>", "<end_of_turn>") if t in special]
+    return [special[t] for t in ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|return|>") if t in special]

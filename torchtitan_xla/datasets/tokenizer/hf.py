@@ -3,10 +3,10 @@ and most models since 2024 ship them, with the `tokenizer_config.json` beside it
 (its BOS, EOS and padding tokens; without it, the names of the Llama 3 and Qwen families).
 
 The chat format follows the special tokens: ChatML (`<|im_start|>` / `<|im_end|>`, Qwen's), Llama
-3's headers or Gemma's turns (`<start_of_turn>`; datasets/chat.py). The file's pre-tokeniser, model
-and normaliser are used as they are; the post-processor is not (BOS and EOS are added by `encode`'s
-flags, as for the other tokenizers), and special-token text inside a document is encoded as plain
-text.
+3's headers, Gemma's turns (`<start_of_turn>`) or gpt-oss's harmony (`<|channel|>`;
+datasets/chat.py). The file's pre-tokeniser, model and normaliser are used as they are; the
+post-processor is not (BOS and EOS are added by `encode`'s flags, as for the other tokenizers),
+and special-token text inside a document is encoded as plain text.
 """
 
 from __future__ import annotations
@@ -33,7 +33,25 @@ GEMMA_TEMPLATE = (
     "else message['role']) + '\n' + (prefix if loop.first else '') + message['content'] | trim "
     "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}"
     "{% endif %}")
-CHAT_FORMATS = {"<|im_start|>": "chatml", "<|start_header_id|>": "llama3", "<start_of_turn>": "gemma"}
+# gpt-oss's system message, as its chat template writes it by default (model identity, reasoning
+# effort "medium", no tools); {date}: today's, YYYY-MM-DD.
+HARMONY_SYSTEM = ("You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
+                  "Current date: {date}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, "
+                  "final. Channel must be included for every message.")
+# gpt-oss's chat format (harmony) as datasets/chat.py renders it: its chat template's text turns,
+# with no tools and no reasoning ("thinking") fields.
+_DATE = "' + strftime_now('%Y-%m-%d') + '"
+HARMONY_TEMPLATE = (
+    "{{ '<|start|>system<|message|>" + HARMONY_SYSTEM.replace("{date}", _DATE) + "<|end|>' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ '<|start|>developer<|message|># Instructions\n\n' + "
+    "messages[0]['content'] + '\n\n<|end|>' }}{% set turns = messages[1:] %}{% else %}"
+    "{% set turns = messages %}{% endif %}{% for message in turns %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + ('<|return|>' if loop.last "
+    "and not add_generation_prompt else '<|end|>') }}{% else %}{{ '<|start|>' + message['role'] + "
+    "'<|message|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
+CHAT_FORMATS = {"<|im_start|>": "chatml", "<|start_header_id|>": "llama3", "<start_of_turn>": "gemma",
+                "<|channel|>": "harmony"}
 # By family, when no tokenizer_config.json names them: (BOS, EOS, padding), first found wins.
 KNOWN = {"bos": ["<|begin_of_text|>", "<bos>"], "eos": ["<|end_of_text|>", "<|endoftext|>", "<eos>"],
          "pad": ["<|finetune_right_pad_id|>", "<|endoftext|>", "<pad>"]}
@@ -104,7 +122,7 @@ class HFTokenizer(Tokenizer):
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
         template = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_CHAT_TEMPLATE,
-                    "gemma": GEMMA_TEMPLATE}.get(self.chat_format)
+                    "gemma": GEMMA_TEMPLATE, "harmony": HARMONY_TEMPLATE}.get(self.chat_format)
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=token[self.eos_id],
                                      pad_token=token[self.pad_id], chat_template=template)
         hf.save_pretrained(str(out_dir))

@@ -40,7 +40,7 @@ SOURCES = {
     # embedding rows have no token); its chat format is read from its <start_of_turn> token.
     "gemma3": TokenizerSource("google/gemma-3-1b-it", "tokenizer.json",
                               "./assets/tokenizer/gemma3/tokenizer.json"),
-    # o200k_harmony (201,088 embedding rows); its chat format (harmony) is not rendered here.
+    # o200k_harmony (201,088 embedding rows); its chat format is read from its <|channel|> token.
     "gpt_oss": TokenizerSource("openai/gpt-oss-20b", "tokenizer.json",
                                "./assets/tokenizer/gpt_oss/tokenizer.json", gated=False),
 }
