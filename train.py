@@ -30,7 +30,7 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
     `model_overrides` replace fields of the flavor's ModelArgs (benchmarks and tests use it to vary
     depth or size without adding flavors)."""
     from torchtitan_xla.goodput import Ledger, so_far
-    from torchtitan_xla.utils import GarbageCollection
+    from torchtitan_xla.utils import GarbageCollection, out_of_memory_as_one_line
 
     # Where the run's time goes (goodput/): from here, before torch's import.
     ledger = Ledger(time.time())
@@ -351,7 +351,9 @@ def main(job_config: JobConfig, *, model_overrides: dict | None = None) -> list[
                 f"{job_config.compile.step} step")
     metric_logger.reset_timer(train_state.step)
     ledger.record("ready", step=first_step)
-    with maybe_enable_profiling(job_config) as profiler:
+    steps_done = lambda: train_state.step - first_step + 1  # noqa: E731 (this run's, so far)
+    with (maybe_enable_profiling(job_config) as profiler,
+          out_of_memory_as_one_line(steps_done, runtime.checkpointing.is_out_of_memory)):
         for step in range(first_step, training.steps + 1):
             if profiler is not None:
                 profiler.step(step)

@@ -144,3 +144,28 @@ def test_an_unwritable_output_folder_stops_the_run_before_step_1(tmp_path, key):
     assert "devices" not in run.stderr  # XLA never started
     assert blocker.read_text() == "not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written
+
+
+def test_a_step_that_does_not_fit_the_device_is_one_line_exit_2(tmp_path):
+    """64 sequences of 2048 tokens through sdpa: XLA asks for about 300 GB at the first step. One
+    line naming what to change, exit 2, no traceback; what the run wrote before (its config) is
+    kept. (The address space is capped at 64 GiB, so the allocation fails whatever the machine's
+    memory and overcommit policy.)"""
+    import shlex
+    import subprocess
+    import sys
+
+    from helpers import _env
+
+    args = tiny_args(tmp_path / "out", "--training.local_batch_size", "64", "--training.seq_len", "2048",
+                     "--model.attention", "sdpa", "--training.steps", "2")
+    command = shlex.join([sys.executable, str(REPO / "train.py"), *args])
+    run = subprocess.run(["bash", "-c", f"ulimit -v {64 << 20} && exec {command}"], capture_output=True,
+                         text=True, env=_env(1, None), timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the device ran out of memory (Error preparing computation: Out of memory "
+                           "allocating "), line
+    assert line.endswith(" bytes.): the training step does not fit; lower [training] local_batch_size or "
+                         "seq_len, or see what fits with ./run_train.sh --plan"), line
+    assert "Traceback" not in run.stderr and (tmp_path / "out" / "config.toml").exists()

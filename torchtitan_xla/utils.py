@@ -1,7 +1,9 @@
-"""Small helpers of the training loop: determinism, host memory, the garbage-collection schedule."""
+"""Small helpers of the training loop: determinism, host memory, the garbage-collection schedule,
+device memory running out."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import resource
@@ -40,3 +42,22 @@ class GarbageCollection:
     def run(self, step: int) -> None:
         if step % self.gc_freq == 0:
             gc.collect(1)
+
+
+@contextlib.contextmanager
+def out_of_memory_as_one_line(steps_done, is_out_of_memory):
+    """The device running out of memory in the training loop as one line: before any step has
+    finished (`steps_done()` 0: XLA allocates every step's buffers at its first), the job does not
+    fit and is bad input (exit 2; the plan would have said so); later, a failed run (exit 1)."""
+    from torchtitan_xla.errors import ConfigError, RunError, first_line
+
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        what = f"the device ran out of memory ({first_line(e, typed=False, limit=160)})"
+        if steps_done():
+            raise RunError(f"{what} after {steps_done()} step(s)") from None
+        raise ConfigError(f"{what}: the training step does not fit; lower [training] local_batch_size or "
+                          f"seq_len, or see what fits with ./run_train.sh --plan") from None
