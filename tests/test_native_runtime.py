@@ -175,13 +175,17 @@ def one_process(seed, tmp_path_factory) -> dict:
 def eight_processes(seed, moe_seed, xla_eight, tmp_path_factory) -> dict:
     """On eight processes, eager: each of MESHES from the seed checkpoint; "lora", resuming the
     XLA runtime's LoRA run (fsdp=4 x tp=2) at step 5 (adapters start random: each runtime draws
-    its own); and "moe", Mixtral on ep=4 x fsdp=2."""
+    its own); "moe", Mixtral on ep=4 x fsdp=2; Gemma 3 on fsdp=4 x tp=2, gpt-oss on ep=2 x fsdp=2 x
+    tp=2."""
     folder = tmp_path_factory.mktemp("eight")
     copy_step(xla_eight["lora"]["folder"], folder / "lora", 5)
     jobs = {mesh: [*EAGER, *from_seed(seed), *flags] for mesh, flags in MESHES.items()}
     jobs["bf16"] = [*EAGER, *bf16_job(seed)]
     moe = [*EAGER, *from_seed(moe_seed, steps=5), *MOE, "--parallelism.expert_parallel_degree", "4",
            "--training.local_batch_size", "1"]
+    jobs["gemma3"] = [*EAGER, *GEMMA3, *XLA_MESH]  # fsdp=4 x tp=2
+    jobs["gpt_oss"] = [*EAGER, *GPT_OSS, "--parallelism.expert_parallel_degree", "2",
+                       "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"]
     # Six eager jobs on eight processes sharing two cores, beside the other test worker: time enough.
     return native_jobs(folder, 8, jobs | {"lora": [*EAGER, *lora_job(seed)], "moe": moe}, model=LAYERS, timeout=1800)
 
@@ -212,9 +216,6 @@ def two_processes(seed, tmp_path_factory) -> dict:
     jobs["qwen3"] = [*EAGER, *QWEN3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
     jobs["deepseek"] = [*EAGER, *DEEPSEEK, "--training.local_batch_size", "8", "--training.steps", "5",
                         "--parallelism.tensor_parallel_degree", "2"]
-    jobs["gemma3"] = [*EAGER, *GEMMA3, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
-    jobs["gpt_oss tp"] = [*EAGER, *GPT_OSS, "--training.local_batch_size", "8",
-                          "--parallelism.tensor_parallel_degree", "2"]
     jobs["gpt_oss ep"] = [*EAGER, *GPT_OSS, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]
     jobs |= {f"chunked {mesh}": [*EAGER, *chunked_job(seed), *flags] for mesh, flags in CHUNKED_MESHES.items()}
     jobs["diverging"] = [*EAGER, *DIVERGING, "--parallelism.tensor_parallel_degree", "2"]
@@ -475,16 +476,21 @@ def test_qwen3_with_its_tied_embedding_on_tp2_gives_the_one_process_losses(one_p
     close(run["grad_norms"], one["grad_norms"], rtol=5e-6)
 
 
-@pytest.mark.parametrize("model, job", [("gemma3", "gemma3"), ("gpt_oss", "gpt_oss tp"), ("gpt_oss", "gpt_oss ep")])
-def test_gemma3_and_gpt_oss_on_two_processes_give_the_one_process_losses(one_process, two_processes, model, job):
-    """Gemma 3's debug model on tp=2 (sliding windows, sandwich norms, GeGLU); gpt-oss's on tp=2 (the
-    sinks and the attention's biases split by head: the sinks reach the attention by keyword) and
-    on ep=2 (the experts and their biases split): one process's losses, 10 steps (2.1e-7 measured)."""
-    run, one = two_processes[job], one_process[model]
+@pytest.mark.parametrize("model, job, processes", [("gemma3", "gemma3", "eight_processes"),
+                                                   ("gpt_oss", "gpt_oss", "eight_processes"),
+                                                   ("gpt_oss", "gpt_oss ep", "two_processes")])
+def test_gemma3_and_gpt_oss_on_meshes_give_the_one_process_losses(one_process, model, job, processes, request):
+    """Gemma 3's debug model on fsdp=4 x tp=2 (sliding windows, sandwich norms, GeGLU); gpt-oss's on
+    ep=2 x fsdp=2 x tp=2 (the sinks and the attention's biases split by head: the sinks reach the
+    attention by keyword; the experts and their biases split) and on ep=2 alone: one process's
+    losses, 10 steps (2.1e-7 measured on tp=2)."""
+    run, one = request.getfixturevalue(processes)[job], one_process[model]
     assert len(one["losses"]) == 10
     close(run["losses"], one["losses"], rtol=1e-6)
-    if job == "gpt_oss tp":
+    if job == "gpt_oss":
         assert run["layout"]["layers.0.attention.sinks"]["placements"][-1] == "Shard(dim=0)"
+        # ep splits the experts (fsdp and tp their other dimensions).
+        assert run["layout"]["layers.0.feed_forward.w1"]["local"][0] == 4  # 8 experts over ep=2
 
 
 COMPILES = re.compile(r"step:\s+(\d+) .* compiles: (\d+)")

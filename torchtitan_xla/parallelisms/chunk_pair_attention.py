@@ -9,8 +9,8 @@ point of the balanced order). This kernel computes exactly those pairs: a static
 its key chunks gathered from the whole keys, masked by positions and document ids (not by index:
 the sequence is reordered) and combined per query chunk with one softmax over all of a chunk's
 pairs. With a sliding window, the pairs wholly outside it are dropped too (padded to one count with
-masked pairs). Plain tensor ops on global shapes, as everything else under SPMD, so autograd and
-torch.vmap take it as it is.
+masked pairs). Tensor ops on global shapes, as everything else under SPMD (the softmax's backward
+written out), so FSDP, TP and scan take it unchanged.
 """
 
 from __future__ import annotations
