@@ -128,9 +128,9 @@ class ChunkPairAttention(nn.Module):
         def query_pairs(t: torch.Tensor) -> torch.Tensor:  # [..., seq, *f] -> [..., cp, pairs, chunk, *f]
             lead = t.dim() - (2 if t.dim() == 4 else 1)
             t = t.reshape(*t.shape[:lead], self.cp, slots, s // n, *t.shape[lead + 1:])
-            mine, other = t.select(lead + 1, 0), t.select(lead + 1, slots - 1)
+            first_chunk, second_chunk = t.select(lead + 1, 0), t.select(lead + 1, slots - 1)
             pick = second if t.dim() == lead + 3 else second[..., None]
-            return torch.where(pick, other.unsqueeze(lead + 1), mine.unsqueeze(lead + 1))
+            return torch.where(pick, second_chunk.unsqueeze(lead + 1), first_chunk.unsqueeze(lead + 1))
 
         def key_pairs(t: torch.Tensor) -> torch.Tensor:  # the same, keys gathered from every chunk
             lead = t.dim() - (2 if t.dim() == 4 else 1)
